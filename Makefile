@@ -1,0 +1,33 @@
+# Every target sets up .venv first, so each works on a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv demo test proto lint bench clean
+
+$(BIN)/pstrain: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/pstrain
+
+demo: venv  ## the main job: train the digits MLP on a localhost cluster
+	$(BIN)/pstrain local --config examples/digits.yaml --out runs/digits
+
+test: venv  ## the whole test suite
+	$(BIN)/python -m pytest -q
+
+proto: venv  ## regenerate protos/pstrain_pb2*.py from protos/pstrain.proto
+	$(BIN)/python -m protos.codegen
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy protos ps_server worker coordinator
+
+bench: venv
+	$(BIN)/python bench/pushpull.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from coordinator.main import main
+
+sys.exit(main())

@@ -1,0 +1,245 @@
+"""The job file, parsed once into frozen dataclasses.
+
+Every key is checked: unknown keys, wrong types and impossible values raise ConfigError
+naming the key (``optimizer.lr``) and what would fix it. Nothing downstream sees YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.errors import ConfigError
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCALINGS = ("linear", "sqrt", "none")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    factory: str
+    """``pkg.module:callable`` returning a torch.nn.Module."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    init_checkpoint: str | None = None
+    """Path of a state_dict to start from instead of the factory's seeded initialisation."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.factory, "model.factory", f"{self.factory!r} must look like 'pkg.module:callable'")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    factory: str
+    """``pkg.module:callable`` returning a map-style Dataset of (input, target)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    shard_size: int = 512
+    """Samples per data shard handed to a worker."""
+    shuffle: bool = True
+    """Shuffle the sample order every epoch (seeded by job.seed and the epoch)."""
+
+    def __post_init__(self) -> None:
+        _require(":" in self.factory, "data.factory", f"{self.factory!r} must look like 'pkg.module:callable'")
+        _require(self.shard_size >= 1, "data.shard_size", f"must be at least 1, got {self.shard_size}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    """Single-device learning rate; the plan scales it (batch.lr_scaling)."""
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _require(self.name in OPTIMIZERS, "optimizer.name", f"{self.name!r} is not one of {', '.join(OPTIMIZERS)}")
+        _require(self.lr > 0, "optimizer.lr", f"must be positive, got {self.lr}")
+        _require(self.momentum >= 0, "optimizer.momentum", f"must be non-negative, got {self.momentum}")
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be non-negative, got {self.weight_decay}")
+        _require(
+            not self.nesterov or (self.momentum > 0 and self.dampening == 0),
+            "optimizer.nesterov",
+            "needs momentum > 0 and dampening 0",
+        )
+        _require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer.betas",
+            f"must be two numbers in [0, 1), got {self.betas}",
+        )
+        _require(self.eps > 0, "optimizer.eps", f"must be positive, got {self.eps}")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    per_device: int = 64
+    """Samples per device per step."""
+    lr_scaling: str = "linear"
+    """linear: lr x devices (S1.6); sqrt: lr x sqrt(devices); none."""
+    warmup_steps: int = 0
+    """Linear warmup of the scaled learning rate over this many steps."""
+
+    def __post_init__(self) -> None:
+        _require(self.per_device >= 1, "batch.per_device", f"must be at least 1, got {self.per_device}")
+        _require(self.lr_scaling in LR_SCALINGS, "batch.lr_scaling", f"{self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}")
+        _require(self.warmup_steps >= 0, "batch.warmup_steps", f"must be non-negative, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True)
+class JobSection:
+    steps: int = 200
+    seed: int = 0
+    name: str = "pstrain"
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "job.steps", f"must be at least 1, got {self.steps}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    ps_shards: int = 2
+    workers: int = 2
+    devices_per_worker: int | list[str] = 1
+    """A count (GPUs 0..N-1, or CPU stand-ins without CUDA) or an explicit list like [cuda:0, cuda:1]."""
+
+    def __post_init__(self) -> None:
+        _require(self.ps_shards >= 1, "cluster.ps_shards", f"must be at least 1, got {self.ps_shards}")
+        _require(self.workers >= 1, "cluster.workers", f"must be at least 1, got {self.workers}")
+        if isinstance(self.devices_per_worker, list):
+            _require(len(self.devices_per_worker) >= 1, "cluster.devices_per_worker", "the device list is empty")
+        else:
+            _require(self.devices_per_worker >= 1, "cluster.devices_per_worker", "must be at least 1")
+
+    @property
+    def device_count(self) -> int:
+        d = self.devices_per_worker
+        return len(d) if isinstance(d, list) else d
+
+    @property
+    def device_list(self) -> list[str]:
+        d = self.devices_per_worker
+        return list(d) if isinstance(d, list) else []
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    chunk_bytes: int = 512 * 1024
+    """Bytes per streamed tensor chunk (bench/pushpull.py measured this default)."""
+    push_timeout_s: float = 120.0
+    pull_timeout_s: float = 600.0
+    """A pull waits for the slowest worker of the step, so this bounds a step's duration."""
+    heartbeat_s: float = 2.0
+    heartbeat_timeout_s: float = 60.0
+    """A member silent this long is declared failed."""
+
+    def __post_init__(self) -> None:
+        _require(4096 <= self.chunk_bytes <= 64 * 1024 * 1024, "transport.chunk_bytes", "must be in [4 KiB, 64 MiB]")
+        for key in ("push_timeout_s", "pull_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
+            _require(getattr(self, key) > 0, f"transport.{key}", "must be positive")
+        _require(
+            self.heartbeat_timeout_s > 2 * self.heartbeat_s,
+            "transport.heartbeat_timeout_s",
+            "must exceed twice transport.heartbeat_s",
+        )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    factory: str | None = None
+    """``pkg.module:callable(model) -> dict`` run by ``pstrain local`` on the trained model."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig
+    data: DataConfig
+    loss: str = "cross_entropy"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    job: JobSection = field(default_factory=JobSection)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def with_steps(self, steps: int) -> JobConfig:
+        return dataclasses.replace(self, job=dataclasses.replace(self.job, steps=steps))
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'the job file'}: must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key; known keys here are {', '.join(sorted(names))}")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: required key is missing")
+            continue
+        value, hint = raw[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, value if value is not None else {}, key)
+            continue
+        if not _type_ok(value, hint):
+            raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")
+        values[f.name] = float(value) if hint is float else value
+    return cls(**values)
+
+
+def parse_config(raw: Any) -> JobConfig:
+    return typing.cast(JobConfig, _build(JobConfig, raw, ""))
+
+
+def load_config(path: str | Path) -> JobConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    return parse_config(raw)

@@ -1,0 +1,98 @@
+"""Data shards: which samples each worker trains on, and who holds which shard (S2.5 bookkeeping).
+
+An epoch is a permutation of the dataset (seeded by job seed + epoch) cut into shards of
+``shard_size``. A shard is recorded against the worker it is dispatched to and the record is
+cleared when that worker reports it done; shards of a failed worker can be requeued so no
+data is lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.errors import UnknownMember
+
+
+@dataclass(frozen=True)
+class DataShardAssignment:
+    shard_id: int
+    epoch: int
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class ShardCounts:
+    todo: int  # left in the current epoch (plus requeued)
+    doing: int
+    done: int
+
+
+class DataShardTracker:
+    def __init__(self, dataset_size: int, shard_size: int, shuffle: bool, seed: int) -> None:
+        if dataset_size <= 0:
+            raise ValueError("the dataset is empty")
+        self.dataset_size = dataset_size
+        self.shard_size = shard_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shards_per_epoch = -(-dataset_size // shard_size)
+        self._next = 0  # next fresh shard id
+        self._requeued: deque[DataShardAssignment] = deque()
+        self._doing: dict[int, tuple[int, DataShardAssignment]] = {}  # shard id -> (worker, shard)
+        self._done = 0
+        self._perm_epoch = -1
+        self._perm = torch.arange(0)
+        self._lock = threading.Lock()
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(self.dataset_size, generator=gen)
+            else:
+                self._perm = torch.arange(self.dataset_size)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def _fresh(self) -> DataShardAssignment:
+        shard_id = self._next
+        self._next += 1
+        epoch, k = divmod(shard_id, self.shards_per_epoch)
+        order = self._order(epoch)
+        indices = order[k * self.shard_size : (k + 1) * self.shard_size].tolist()
+        return DataShardAssignment(shard_id, epoch, indices)
+
+    def dispatch(self, worker_id: int) -> DataShardAssignment:
+        with self._lock:
+            shard = self._requeued.popleft() if self._requeued else self._fresh()
+            self._doing[shard.shard_id] = (worker_id, shard)
+            return shard
+
+    def complete(self, worker_id: int, shard_id: int) -> None:
+        with self._lock:
+            holder = self._doing.get(shard_id)
+            if holder is None or holder[0] != worker_id:
+                raise UnknownMember(f"data shard {shard_id} is not held by worker {worker_id}")
+            del self._doing[shard_id]
+            self._done += 1
+
+    def outstanding(self, worker_id: int) -> list[int]:
+        with self._lock:
+            return sorted(sid for sid, (w, _) in self._doing.items() if w == worker_id)
+
+    def requeue(self, worker_id: int) -> list[int]:
+        """Put a failed worker's unfinished shards first in line; returns their ids."""
+        with self._lock:
+            mine = sorted((sid for sid, (w, _) in self._doing.items() if w == worker_id))
+            for sid in reversed(mine):
+                self._requeued.appendleft(self._doing.pop(sid)[1])
+            return mine
+
+    def counts(self) -> ShardCounts:
+        with self._lock:
+            left_in_epoch = self.shards_per_epoch - self._next % self.shards_per_epoch
+            return ShardCounts(todo=left_in_epoch + len(self._requeued), doing=len(self._doing), done=self._done)

@@ -1,0 +1,399 @@
+"""The job: who is in it, where training stands, and when it is over.
+
+States (``JobState``)::
+
+    WAITING --every PS shard ready and every worker registered--> RUNNING
+    RUNNING --every worker reported the last step--> EXPORTING
+    EXPORTING --model.pt written--> FINISHED
+    any --a member silent past the heartbeat timeout, or the export failed--> FAILED
+
+Once FINISHED or FAILED, every heartbeat and step report answers "stop". The object is
+plain Python (no gRPC) so the protocol is tested without a network; the clock is injected.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from coordinator.data_shards import DataShardAssignment, DataShardTracker
+from coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from coordinator.model_state import ModelState
+from coordinator.plan import Plan
+from protos import pstrain_pb2 as pb
+from protos.shard_map import ShardRange, shard_ranges
+
+log = logging.getLogger(__name__)
+
+Exporter = Callable[[list[str], int], torch.Tensor]
+"""Pull the final parameters: (PS addresses, version) -> flat vector."""
+
+
+class JobState(enum.IntEnum):
+    WAITING = pb.WAITING
+    RUNNING = pb.RUNNING
+    EXPORTING = pb.EXPORTING
+    FINISHED = pb.FINISHED
+    FAILED = pb.FAILED
+
+    @property
+    def over(self) -> bool:
+        return self in (JobState.FINISHED, JobState.FAILED)
+
+
+@dataclass
+class Member:
+    role: str  # "ps" | "worker"
+    id: int
+    address: str
+    last_seen: float
+    ready: bool = False
+    done: bool = False  # a worker past its last step, a PS told to stop
+    hostname: str = ""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One line of metrics.jsonl."""
+
+    step: int
+    loss: float
+    lr: float
+    global_batch: int
+    samples_per_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
+class Directive:
+    stop: bool
+    state: JobState
+    reason: str
+
+
+class Job:
+    def __init__(
+        self,
+        job_id: str,
+        plan: Plan,
+        spec: pb.JobSpec,
+        model: ModelState,
+        shards: DataShardTracker,
+        out_dir: Path | None,
+        exporter: Exporter,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job_id = job_id
+        self.plan = plan
+        self.spec = spec
+        self.model = model
+        self.shards = shards
+        self.out_dir = out_dir
+        self._exporter = exporter
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self.ranges: list[ShardRange] = shard_ranges(spec.total_params, spec.ps_shards)
+        self.state = JobState.WAITING
+        self.message = "waiting for members"
+        self._ps: dict[int, Member] = {}
+        self._workers: dict[int, Member] = {}
+        self._reports: dict[int, dict[int, pb.StepReport]] = {}
+        self.records: list[StepRecord] = []
+        self._last_completion: float | None = None
+        self._buffers: dict[str, torch.Tensor] | None = None
+        self._cond = threading.Condition()
+        self._metrics = None
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(out_dir / "metrics.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in close()
+
+    # ------------------------------------------------------------------ membership
+
+    def register_ps(self, shard_id: int, address: str) -> ShardRange:
+        with self._cond:
+            self._check_not_over()
+            if not 0 <= shard_id < len(self.ranges):
+                raise InvalidRequest(f"shard id {shard_id} out of range: this job has shards 0..{len(self.ranges) - 1}")
+            existing = self._ps.get(shard_id)
+            if existing and existing.address != address and self._alive(existing):
+                raise AlreadyRegistered(f"shard {shard_id} is already served by {existing.address}")
+            self._ps[shard_id] = Member("ps", shard_id, address, self._clock())
+            log.info("PS shard %d registered at %s", shard_id, address)
+            return self.ranges[shard_id]
+
+    def initial_parameters(self, shard_id: int) -> torch.Tensor:
+        with self._cond:
+            if shard_id not in self._ps:
+                raise UnknownMember(f"shard {shard_id} must register before fetching its parameters")
+            r = self.ranges[shard_id]
+        return self.model.initial_range(r.start, r.end)
+
+    def ps_ready(self, shard_id: int) -> None:
+        with self._cond:
+            member = self._ps.get(shard_id)
+            if member is None:
+                raise UnknownMember(f"shard {shard_id} never registered")
+            member.ready = True
+            member.last_seen = self._clock()
+            self._maybe_start()
+
+    def register_worker(self, address: str, devices: list[str], hostname: str) -> int:
+        with self._cond:
+            self._check_not_over()
+            if devices and len(devices) != self.plan.devices_per_worker:
+                raise InvalidRequest(
+                    f"worker offers {len(devices)} devices but the plan needs {self.plan.devices_per_worker} "
+                    f"per worker (cluster.devices_per_worker)"
+                )
+            if len(self._workers) >= self.plan.workers:
+                raise NoFreeSlot(f"all {self.plan.workers} worker slots of job {self.job_id} are taken")
+            worker_id = len(self._workers)
+            self._workers[worker_id] = Member("worker", worker_id, address, self._clock(), ready=True, hostname=hostname)
+            log.info("worker %d registered from %s (%s)", worker_id, hostname, address)
+            self._maybe_start()
+            return worker_id
+
+    def _maybe_start(self) -> None:
+        ps_ready = len(self._ps) == len(self.ranges) and all(m.ready for m in self._ps.values())
+        if self.state == JobState.WAITING and ps_ready and len(self._workers) == self.plan.workers:
+            self.state = JobState.RUNNING
+            self.message = "training"
+            self._last_completion = self._clock()
+            log.info("all members ready: %s", self.plan.describe())
+        self._cond.notify_all()
+
+    def wait_for_cluster(self, timeout_s: float) -> list[str]:
+        """Block until every PS shard serves; return their addresses in shard order."""
+        deadline = self._clock() + timeout_s
+        with self._cond:
+            while not (len(self._ps) == len(self.ranges) and all(m.ready for m in self._ps.values())):
+                self._check_not_over()
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    missing = [i for i in range(len(self.ranges)) if not (i in self._ps and self._ps[i].ready)]
+                    raise WrongState(f"PS shards {missing} are not ready yet")
+                self._cond.wait(min(remaining, 1.0))
+            return [self._ps[i].address for i in range(len(self.ranges))]
+
+    # ------------------------------------------------------------------ data
+
+    def request_data_shard(self, worker_id: int) -> DataShardAssignment:
+        with self._cond:
+            self._worker(worker_id)
+            self._check_not_over()
+        return self.shards.dispatch(worker_id)
+
+    def complete_data_shard(self, worker_id: int, shard_id: int) -> None:
+        with self._cond:
+            self._worker(worker_id)
+        self.shards.complete(worker_id, shard_id)
+
+    # ------------------------------------------------------------------ steps
+
+    def report_step(self, report: pb.StepReport) -> Directive:
+        with self._cond:
+            worker = self._worker(report.worker_id)
+            worker.last_seen = self._clock()
+            if not 0 <= report.step < self.plan.steps:
+                raise InvalidRequest(f"step {report.step} is outside this job's steps 0..{self.plan.steps - 1}")
+            if self.state.over:
+                return self._directive()
+            if self.state != JobState.RUNNING:
+                raise WrongState(f"job is {self.state.name}; step reports are accepted while RUNNING")
+            completed = len(self.records)
+            if report.step < completed:
+                return self._directive()  # a retried report of a step already recorded
+            if report.step > completed:
+                raise WrongState(f"worker {report.worker_id} reported step {report.step} before step {completed} completed")
+            self._reports.setdefault(report.step, {})[report.worker_id] = report
+            if len(self._reports[report.step]) == self.plan.workers:
+                self._complete_step(report.step)
+            if report.step == self.plan.steps - 1:
+                worker.done = True
+            return self._directive()
+
+    def _complete_step(self, step: int) -> None:
+        reports = list(self._reports.pop(step).values())
+        samples = sum(r.samples for r in reports)
+        loss = sum(r.loss * r.samples for r in reports) / max(samples, 1)
+        now = self._clock()
+        interval = now - self._last_completion if self._last_completion is not None else 0.0
+        step_s = max(interval, max(r.step_s for r in reports)) if step == 0 else interval
+        self._last_completion = now
+        record = StepRecord(
+            step=step,
+            loss=loss,
+            lr=self.plan.lr_at(step),
+            global_batch=samples,
+            samples_per_s=samples / step_s if step_s > 0 else 0.0,
+            step_s=step_s,
+        )
+        self.records.append(record)
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(asdict(record)) + "\n")
+        if step == self.plan.steps - 1:
+            self.state = JobState.EXPORTING
+            self.message = "exporting the trained model"
+            threading.Thread(target=self._export, name="export", daemon=True).start()
+        self._cond.notify_all()
+
+    def upload_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        own = dict(self.model.model.named_buffers())
+        for name, value in buffers.items():
+            if name not in own:
+                raise InvalidRequest(f"the model has no buffer {name!r}")
+            if own[name].shape != value.shape or own[name].dtype != value.dtype:
+                raise InvalidRequest(
+                    f"buffer {name!r} is {value.dtype} {tuple(value.shape)}, the model's is "
+                    f"{own[name].dtype} {tuple(own[name].shape)}"
+                )
+        with self._cond:
+            self._buffers = buffers
+            self._cond.notify_all()
+
+    def _export(self) -> None:
+        try:
+            with self._cond:
+                addresses = [self._ps[i].address for i in range(len(self.ranges))]
+                if any(True for _ in self.model.model.buffers()):
+                    deadline = self._clock() + self._heartbeat_timeout_s
+                    while self._buffers is None and self._clock() < deadline:
+                        self._cond.wait(1.0)
+                buffers = self._buffers or {}
+            flat = self._exporter(addresses, self.plan.steps)
+            if self.out_dir is not None:
+                self.model.save(self.out_dir / "model.pt", flat, buffers)
+            with self._cond:
+                self.state = JobState.FINISHED
+                self.message = "finished"
+                self._cond.notify_all()
+            log.info("job finished after %d steps", self.plan.steps)
+        except Exception as exc:  # noqa: BLE001 - any export failure fails the job, with its reason
+            log.exception("export failed")
+            self.fail(f"export of the trained model failed: {exc}")
+
+    # ------------------------------------------------------------------ liveness
+
+    def heartbeat(self, role: str, member_id: int) -> Directive:
+        with self._cond:
+            members = self._ps if role == "ps" else self._workers if role == "worker" else None
+            if members is None:
+                raise InvalidRequest(f"unknown role {role!r}; use 'ps' or 'worker'")
+            member = members.get(member_id)
+            if member is None:
+                raise UnknownMember(f"{role} {member_id} is not registered")
+            member.last_seen = self._clock()
+            directive = self._directive()
+            if directive.stop:
+                member.done = True
+                self._cond.notify_all()
+            return directive
+
+    def check_liveness(self) -> None:
+        """Fail the job when a member that still has work went silent (recovery comes later)."""
+        with self._cond:
+            if self.state.over:
+                return
+            now = self._clock()
+            for member in (*self._ps.values(), *self._workers.values()):
+                if not member.done and now - member.last_seen > self._heartbeat_timeout_s:
+                    self.fail(f"{member.role} {member.id} at {member.address} silent for {now - member.last_seen:.0f}s")
+                    return
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self.state.over:
+                return
+            self.state = JobState.FAILED
+            self.message = reason
+            log.error("job failed: %s", reason)
+            self._cond.notify_all()
+
+    def all_stopped(self) -> bool:
+        """Every PS shard has been told to stop (workers stop on their own after the last step)."""
+        with self._cond:
+            return all(m.done for m in self._ps.values())
+
+    def wait_over(self, timeout_s: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.state.over, timeout_s)
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(m.done for m in self._ps.values()), timeout_s)
+
+    # ------------------------------------------------------------------ progress
+
+    def watch(self, from_step: int, active: Callable[[], bool]) -> Iterator[tuple[StepRecord | None, JobState, str]]:
+        """Yield step records from ``from_step`` as they complete, then a final (None, state, message)."""
+        sent = max(0, from_step)
+        while active():
+            with self._cond:
+                self._cond.wait_for(lambda: len(self.records) > sent or self.state.over, timeout=1.0)
+                fresh = self.records[sent:]
+                state, message = self.state, self.message
+            for record in fresh:
+                yield record, state, message
+            sent += len(fresh)
+            if state.over and sent >= len(self.records):
+                yield None, state, message
+                return
+
+    def status(self) -> pb.JobStatus:
+        counts = self.shards.counts()
+        with self._cond:
+            now = self._clock()
+            members = [
+                pb.MemberStatus(
+                    role=m.role, id=m.id, address=m.address,
+                    alive=now - m.last_seen <= self._heartbeat_timeout_s, last_seen_s_ago=now - m.last_seen,
+                )
+                for m in (*self._ps.values(), *self._workers.values())
+            ]
+            step = len(self.records)
+            return pb.JobStatus(
+                job_id=self.job_id,
+                state=int(self.state),
+                step=step,
+                steps=self.plan.steps,
+                per_device_batch=self.plan.per_device_batch,
+                global_batch=self.plan.global_batch,
+                lr=self.plan.lr_at(min(step, self.plan.steps - 1)),
+                members=members,
+                data_shards_todo=counts.todo,
+                data_shards_doing=counts.doing,
+                data_shards_done=counts.done,
+                message=self.message,
+            )
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _worker(self, worker_id: int) -> Member:
+        member = self._workers.get(worker_id)
+        if member is None:
+            raise UnknownMember(f"worker {worker_id} is not registered in job {self.job_id}")
+        return member
+
+    def _check_not_over(self) -> None:
+        if self.state.over:
+            raise WrongState(f"job {self.job_id} is {self.state.name}: {self.message}")
+
+    def _directive(self) -> Directive:
+        return Directive(stop=self.state.over, state=self.state, reason=self.message)
+
+    def _alive(self, member: Member) -> bool:
+        return self._clock() - member.last_seen <= self._heartbeat_timeout_s

@@ -1,0 +1,208 @@
+"""``pstrain local``: a whole cluster as separate OS processes on 127.0.0.1.
+
+The launcher starts the coordinator, waits for its port file, starts the PS shards and the
+workers (each binds a free port and registers itself), follows progress over the
+coordinator's WatchProgress stream, and tears everything down when the job ends, when any
+process dies, or on Ctrl-C. Children live in their own session (the terminal's Ctrl-C
+reaches only the launcher, which drains them in order) and get SIGKILL if the launcher
+itself is killed (PR_SET_PDEATHSIG), so no process outlives it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tqdm import tqdm
+
+from coordinator.config import JobConfig
+from protos import pstrain_pb2 as pb
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.transport import open_channel
+
+log = logging.getLogger(__name__)
+
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+PR_SET_PDEATHSIG = 1
+
+
+class ClusterFailure(RuntimeError):
+    """A process of the local cluster died or the job failed."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    def tail(self, lines: int = 15) -> str:
+        self.log_file.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+@dataclass
+class LocalCluster:
+    config_path: Path
+    cfg: JobConfig
+    out_dir: Path
+    steps: int | None = None
+    log_level: str = "INFO"
+    start_timeout_s: float = 120.0
+    grace_s: float = 10.0
+    processes: list[ManagedProcess] = field(default_factory=list)
+    coordinator_address: str = ""
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(SOURCE_ROOT), os.getcwd(), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> ManagedProcess:
+        log_path = self.out_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "wb")  # noqa: SIM115 - closed in shutdown()
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--log-level", self.log_level],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=self._env(),
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        proc = ManagedProcess(name, popen, log_path, log_file)
+        self.processes.append(proc)
+        return proc
+
+    def start(self) -> None:
+        """Spawn every process. No gRPC runs in this process before the last fork."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        port_file = self.out_dir / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        args = ["--config", str(self.config_path), "--bind", "127.0.0.1:0", "--out", str(self.out_dir)]
+        args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s)]
+        if self.steps is not None:
+            args += ["--steps", str(self.steps)]
+        coordinator = self._spawn("coordinator", "coordinator", args)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not port_file.exists():
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise ClusterFailure(f"coordinator did not start within {self.start_timeout_s:.0f}s\n{coordinator.tail()}")
+            try:  # waits on the coordinator process itself, so its death is seen at once
+                coordinator.popen.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        self.coordinator_address = f"127.0.0.1:{int(port_file.read_text())}"
+        common = ["--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0", "--grace-s", str(self.grace_s)]
+        for shard_id in range(self.cfg.cluster.ps_shards):
+            self._spawn(f"ps-{shard_id}", "ps_server", [*common, "--shard-id", str(shard_id)])
+        for index in range(self.cfg.cluster.workers):
+            self._spawn(f"worker-{index}", "worker", common)
+
+    def _raise_if_dead(self) -> None:
+        for proc in self.processes:
+            code = proc.popen.poll()
+            if code not in (None, 0):
+                raise ClusterFailure(f"{proc.name} exited with code {code}; last log lines:\n{proc.tail()}")
+
+    def run(self) -> int:
+        """Follow the job to its end; returns the number of steps recorded."""
+        steps = self.steps or self.cfg.job.steps
+        channel = open_channel(self.coordinator_address)
+        stub = pb_grpc.CoordinatorStub(channel)
+        final: list[pb.ProgressEvent] = []
+        watcher_error: list[BaseException] = []
+        bar = tqdm(total=steps, unit="step", dynamic_ncols=True, disable=None)
+
+        def follow() -> None:
+            try:
+                for event in stub.WatchProgress(pb.WatchProgressRequest(), timeout=7 * 24 * 3600):
+                    if event.state in (pb.FINISHED, pb.FAILED) and event.global_batch == 0:
+                        final.append(event)
+                        return
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.3g}", samples_s=f"{event.samples_per_s:.0f}")
+                    if bar.disable and (event.step + 1) % max(1, steps // 10) == 0:
+                        print(f"step {event.step + 1}/{steps} loss {event.loss:.4f} "
+                              f"{event.samples_per_s:.0f} samples/s", flush=True)
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                watcher_error.append(exc)
+
+        watcher = threading.Thread(target=follow, name="progress", daemon=True)
+        watcher.start()
+        try:
+            while True:
+                self._raise_if_dead()
+                if not watcher.is_alive() and all(p.popen.poll() is not None for p in self.processes):
+                    break
+                watcher.join(timeout=0.2)
+        finally:
+            bar.close()
+            channel.close()
+        if not final:
+            detail = f": {watcher_error[0]}" if watcher_error else ""
+            raise ClusterFailure(f"lost the coordinator's progress stream{detail}")
+        if final[0].state != pb.FINISHED:
+            raise ClusterFailure(f"job failed: {final[0].message}")
+        return final[0].step
+
+    def shutdown(self) -> None:
+        """SIGTERM everyone (workers first), wait the grace period, SIGKILL whoever is left."""
+        order = sorted(self.processes, key=lambda p: (not p.name.startswith("worker"), p.name == "coordinator"))
+        for proc in order:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s + 5
+        for proc in order:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", proc.name)
+                proc.popen.kill()
+                proc.popen.wait()
+            proc.log_file.close()
+
+
+def run_local(cluster: LocalCluster) -> int:
+    try:
+        cluster.start()
+        steps = cluster.run()
+        print(f"trained {steps} steps; model written to {cluster.out_dir / 'model.pt'}")
+        return 0
+    except ClusterFailure as exc:
+        print(f"pstrain local: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pstrain local: interrupted; stopping the cluster", file=sys.stderr)
+        return 130
+    finally:
+        cluster.shutdown()
+
+
+def last_metrics(out_dir: Path) -> dict[str, float] | None:
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1]) if lines else None

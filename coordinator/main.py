@@ -1,0 +1,105 @@
+"""``pstrain-coordinator``: plan the job, admit members, hand out data, end the job.
+
+Runs until the job is FINISHED (model exported, every PS shard told to stop) or FAILED;
+exits 0 or 1 accordingly. SIGTERM stops it early with health NOT_SERVING and a drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+
+from coordinator.config import JobConfig, load_config
+from coordinator.data_shards import DataShardTracker
+from coordinator.errors import ConfigError
+from coordinator.job import Job, JobState
+from coordinator.model_state import ModelState
+from coordinator.plan import job_spec, make_plan
+from coordinator.service import CoordinatorServicer
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.factories import FactoryError, build_dataset
+from protos.lifecycle import stop_on_signals, write_port_file
+from protos.logs import configure_logging
+from protos.ps_client import PsClient
+from protos.transport import start_server
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pstrain-coordinator", description="Run the pstrain coordinator of one job.")
+    p.add_argument("--config", required=True, help="job file (YAML)")
+    p.add_argument("--bind", default="0.0.0.0:7070", help="address to listen on (port 0 picks a free port)")
+    p.add_argument("--out", help="directory for model.pt and metrics.jsonl")
+    p.add_argument("--steps", type=int, help="override job.steps")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.add_argument("--linger-s", type=float, default=30.0, help="after the job, wait this long for shards to stop")
+    p.add_argument("--grace-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_job(cfg: JobConfig, out_dir: Path | None) -> Job:
+    """Everything the coordinator knows before the first member calls."""
+    plan = make_plan(cfg)
+    model = ModelState(cfg)
+    try:
+        dataset_size = len(build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs)))  # type: ignore[arg-type]
+    except FactoryError as exc:
+        raise ConfigError(f"data.factory: {exc}") from exc
+    if dataset_size < cfg.batch.per_device:
+        raise ConfigError(f"batch.per_device: {cfg.batch.per_device} exceeds the dataset's {dataset_size} samples")
+    job_id = f"{cfg.job.name}-{uuid.uuid4().hex[:8]}"
+    spec = job_spec(cfg, plan, model.layout, job_id)
+    tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed)
+
+    def export(addresses: list[str], version: int) -> torch.Tensor:
+        client = PsClient(addresses, spec.total_params, spec.chunk_bytes, pull_timeout_s=spec.pull_timeout_s)
+        try:
+            flat = torch.empty(spec.total_params, dtype=torch.float32)
+            client.pull(version, flat)
+            return flat
+        finally:
+            client.close()
+
+    return Job(job_id, plan, spec, model, tracker, out_dir, export, cfg.transport.heartbeat_timeout_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config)
+        if args.steps is not None:
+            cfg = cfg.with_steps(args.steps)
+        job = build_job(cfg, Path(args.out) if args.out else None)
+    except ConfigError as exc:
+        log.error("bad job file %s: %s", args.config, exc)
+        return 2
+    stop = threading.Event()
+    stop_on_signals(stop)
+    server = start_server(args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"])
+    log.info("job %s on port %d: %s", job.job_id, server.port, job.plan.describe())
+    server.set_serving(True)
+    if args.port_file:
+        write_port_file(args.port_file, server.port)
+    try:
+        while not stop.is_set() and not job.wait_over(cfg.transport.heartbeat_s):
+            job.check_liveness()
+        if stop.is_set():
+            job.fail("coordinator stopped by signal")
+        job.wait_stopped(args.linger_s)
+        return 0 if job.state == JobState.FINISHED else 1
+    finally:
+        server.stop(args.grace_s)
+        job.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("pstrain-coordinator", args.log_level)
+    return run(args)

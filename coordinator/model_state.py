@@ -1,0 +1,56 @@
+"""The model as the coordinator knows it: its layout, its initial weights, its final export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from coordinator.config import JobConfig
+from coordinator.errors import ConfigError
+from protos.atomic_io import atomic_write
+from protos.factories import FactoryError, ParamLayout, build_model
+
+
+class ModelState:
+    def __init__(self, cfg: JobConfig) -> None:
+        try:
+            self.model = build_model(cfg.model.factory, json.dumps(cfg.model.kwargs), seed=cfg.job.seed)
+            self.layout = ParamLayout.of(self.model)
+        except FactoryError as exc:
+            raise ConfigError(f"model.factory: {exc}") from exc
+        if cfg.model.init_checkpoint:
+            self._load_checkpoint(cfg.model.init_checkpoint)
+        self.initial = self.layout.flatten(self.model)
+
+    def _load_checkpoint(self, path: str) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"model.init_checkpoint: cannot load {path}: {exc}") from exc
+        try:
+            self.model.load_state_dict(state)
+        except RuntimeError as exc:
+            raise ConfigError(f"model.init_checkpoint: {path} does not fit the model: {exc}") from exc
+
+    def initial_range(self, start: int, end: int) -> torch.Tensor:
+        return self.initial[start:end]
+
+    def state_dict(self, flat: torch.Tensor, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The trained model under its own keys: parameters from ``flat``, buffers as uploaded."""
+        if flat.numel() != self.layout.total:
+            raise ValueError(f"flat vector has {flat.numel()} elements, the model {self.layout.total}")
+        with torch.no_grad():
+            for param, offset, shape in zip(self.model.parameters(), self.layout.offsets, self.layout.shapes):
+                param.copy_(flat[offset : offset + param.numel()].view(shape))
+            own = dict(self.model.named_buffers())
+            for name, value in buffers.items():
+                if name not in own or own[name].shape != value.shape:
+                    raise ValueError(f"uploaded buffer {name!r} does not match the model")
+                own[name].copy_(value)
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def save(self, path: Path, flat: torch.Tensor, buffers: dict[str, torch.Tensor]) -> None:
+        state = self.state_dict(flat, buffers)
+        atomic_write(path, lambda fh: torch.save(state, fh))

@@ -1,0 +1,106 @@
+"""gRPC adapter for the Job: translate messages, call the job, map errors to status codes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from coordinator.job import Directive, Job
+from protos import pstrain_pb2 as pb
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.codec import CodecError, decode_named_tensors, encode_chunks
+from protos.transport import abort_on_errors
+
+translate = abort_on_errors(
+    {
+        InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+        CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+        UnknownMember: grpc.StatusCode.NOT_FOUND,
+        WrongState: grpc.StatusCode.FAILED_PRECONDITION,
+        AlreadyRegistered: grpc.StatusCode.ALREADY_EXISTS,
+        NoFreeSlot: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+DEFAULT_CLUSTER_WAIT_S = 600.0
+
+
+def _directive(d: Directive) -> pb.Directive:
+    return pb.Directive(stop=d.stop, state=int(d.state), reason=d.reason)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    @translate
+    def RegisterParameterServer(self, request: pb.RegisterPsRequest, context: grpc.ServicerContext) -> pb.RegisterPsReply:
+        r = self.job.register_ps(request.shard_id, request.address)
+        return pb.RegisterPsReply(job=self.job.spec, start=r.start, end=r.end)
+
+    @translate
+    def FetchInitialParameters(
+        self, request: pb.InitialParametersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TensorChunk]:
+        yield from encode_chunks(self.job.initial_parameters(request.shard_id), self.job.spec.chunk_bytes)
+
+    @translate
+    def ParameterServerReady(self, request: pb.PsReadyRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.job.ps_ready(request.shard_id)
+        return pb.Empty()
+
+    @translate
+    def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.ServicerContext) -> pb.RegisterWorkerReply:
+        worker_id = self.job.register_worker(request.address, list(request.devices), request.hostname)
+        return pb.RegisterWorkerReply(worker_id=worker_id, job=self.job.spec)
+
+    @translate
+    def WaitForCluster(self, request: pb.WaitForClusterRequest, context: grpc.ServicerContext) -> pb.ClusterView:
+        remaining = context.time_remaining()
+        addresses = self.job.wait_for_cluster(DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining)
+        return pb.ClusterView(ps_addresses=addresses, state=int(self.job.state))
+
+    @translate
+    def RequestDataShard(self, request: pb.DataShardRequest, context: grpc.ServicerContext) -> pb.DataShard:
+        shard = self.job.request_data_shard(request.worker_id)
+        return pb.DataShard(shard_id=shard.shard_id, epoch=shard.epoch, indices=shard.indices)
+
+    @translate
+    def CompleteDataShard(self, request: pb.CompleteDataShardRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.job.complete_data_shard(request.worker_id, request.shard_id)
+        return pb.Empty()
+
+    @translate
+    def ReportStep(self, request: pb.StepReport, context: grpc.ServicerContext) -> pb.Directive:
+        return _directive(self.job.report_step(request))
+
+    @translate
+    def UploadBuffers(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Empty:
+        self.job.upload_buffers(decode_named_tensors(request_iterator))
+        return pb.Empty()
+
+    @translate
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.Directive:
+        return _directive(self.job.heartbeat(request.role, request.id))
+
+    @translate
+    def WatchProgress(self, request: pb.WatchProgressRequest, context: grpc.ServicerContext) -> Iterator[pb.ProgressEvent]:
+        for record, state, message in self.job.watch(request.from_step, context.is_active):
+            if record is None:
+                yield pb.ProgressEvent(step=len(self.job.records), state=int(state), message=message)
+            else:
+                yield pb.ProgressEvent(
+                    step=record.step,
+                    loss=record.loss,
+                    lr=record.lr,
+                    global_batch=record.global_batch,
+                    samples_per_s=record.samples_per_s,
+                    state=int(state),
+                    message=message,
+                )
+
+    @translate
+    def GetJobStatus(self, request: pb.JobStatusRequest, context: grpc.ServicerContext) -> pb.JobStatus:
+        return self.job.status()

@@ -1,0 +1,434 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    WAITING: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    EXPORTING: _ClassVar[JobState]
+    FINISHED: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+INT16: DType
+INT8: DType
+UINT8: DType
+BOOL: DType
+JOB_STATE_UNSPECIFIED: JobState
+WAITING: JobState
+RUNNING: JobState
+EXPORTING: JobState
+FINISHED: JobState
+FAILED: JobState
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    def __init__(self, name: _Optional[str] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
+
+class LrSchedule(_message.Message):
+    __slots__ = ("base_lr", "scaled_lr", "warmup_steps", "scaling")
+    BASE_LR_FIELD_NUMBER: _ClassVar[int]
+    SCALED_LR_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    base_lr: float
+    scaled_lr: float
+    warmup_steps: int
+    scaling: str
+    def __init__(self, base_lr: _Optional[float] = ..., scaled_lr: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., scaling: _Optional[str] = ...) -> None: ...
+
+class ParamSpec(_message.Message):
+    __slots__ = ("name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FACTORY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_FACTORY_FIELD_NUMBER: _ClassVar[int]
+    DATA_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    PER_DEVICE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PS_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PULL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model_factory: str
+    model_kwargs_json: str
+    data_factory: str
+    data_kwargs_json: str
+    loss: str
+    optimizer: OptimizerSpec
+    lr_schedule: LrSchedule
+    per_device_batch: int
+    global_batch: int
+    total_devices: int
+    workers: int
+    devices_per_worker: int
+    steps: int
+    seed: int
+    ps_shards: int
+    total_params: int
+    params: _containers.RepeatedCompositeFieldContainer[ParamSpec]
+    chunk_bytes: int
+    push_timeout_s: float
+    pull_timeout_s: float
+    heartbeat_s: float
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    worker_id: int
+    step: int
+    device_count: int
+    dtype: DType
+    numel: int
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("version", "duplicate", "completed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    duplicate: bool
+    completed: bool
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("shard_id", "min_version")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    min_version: int
+    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+
+class PullReply(_message.Message):
+    __slots__ = ("version", "chunk")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    chunk: TensorChunk
+    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ShardStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard_id", "start", "end", "version", "pushes_waiting", "workers_expected", "bytes_held", "optimizer")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_WAITING_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    start: int
+    end: int
+    version: int
+    pushes_waiting: int
+    workers_expected: int
+    bytes_held: int
+    optimizer: str
+    def __init__(self, shard_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ..., pushes_waiting: _Optional[int] = ..., workers_expected: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
+
+class RegisterPsRequest(_message.Message):
+    __slots__ = ("shard_id", "address")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    address: str
+    def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RegisterPsReply(_message.Message):
+    __slots__ = ("job", "start", "end")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    job: JobSpec
+    start: int
+    end: int
+    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class InitialParametersRequest(_message.Message):
+    __slots__ = ("shard_id",)
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    def __init__(self, shard_id: _Optional[int] = ...) -> None: ...
+
+class PsReadyRequest(_message.Message):
+    __slots__ = ("shard_id",)
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    def __init__(self, shard_id: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("address", "devices", "hostname")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    hostname: str
+    def __init__(self, address: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class RegisterWorkerReply(_message.Message):
+    __slots__ = ("worker_id", "job")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    job: JobSpec
+    def __init__(self, worker_id: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+
+class WaitForClusterRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterView(_message.Message):
+    __slots__ = ("ps_addresses", "state")
+    PS_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ps_addresses: _containers.RepeatedScalarFieldContainer[str]
+    state: JobState
+    def __init__(self, ps_addresses: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+
+class DataShardRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class DataShard(_message.Message):
+    __slots__ = ("shard_id", "epoch", "indices")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    epoch: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_id: _Optional[int] = ..., epoch: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CompleteDataShardRequest(_message.Message):
+    __slots__ = ("worker_id", "shard_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    shard_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., shard_id: _Optional[int] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("worker_id", "step", "loss", "samples", "step_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    loss: float
+    samples: int
+    step_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("role", "id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    id: int
+    def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("stop", "state", "reason")
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stop: bool
+    state: JobState
+    reason: str
+    def __init__(self, stop: _Optional[bool] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WatchProgressRequest(_message.Message):
+    __slots__ = ("from_step",)
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    from_step: int
+    def __init__(self, from_step: _Optional[int] = ...) -> None: ...
+
+class ProgressEvent(_message.Message):
+    __slots__ = ("step", "loss", "lr", "global_batch", "samples_per_s", "state", "message")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    lr: float
+    global_batch: int
+    samples_per_s: float
+    state: JobState
+    message: str
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., lr: _Optional[float] = ..., global_batch: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class JobStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("role", "id", "address", "alive", "last_seen_s_ago")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    id: int
+    address: str
+    alive: bool
+    last_seen_s_ago: float
+    def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PER_DEVICE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHARDS_TODO_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHARDS_DOING_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHARDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    step: int
+    steps: int
+    per_device_batch: int
+    global_batch: int
+    lr: float
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    data_shards_todo: int
+    data_shards_doing: int
+    data_shards_done: int
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "devices", "step", "last_step_s", "state")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    last_step_s: float
+    state: str
+    def __init__(self, worker_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., last_step_s: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,102 @@
+"""``pstrain-ps``: run one parameter-server shard.
+
+Start order: serve (health NOT_SERVING) -> register with the coordinator -> receive the
+initial parameters of this shard's range -> SERVING -> heartbeat until the coordinator says
+the job is over or SIGTERM arrives -> drain and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+
+import grpc
+
+from protos import pstrain_pb2 as pb
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.codec import TensorAssembler
+from protos.lifecycle import advertised_address, stop_on_signals, wait_until_reachable, write_port_file
+from protos.logs import configure_logging
+from protos.transport import CONTROL_TIMEOUT_S, open_channel, start_server
+from ps_server.service import ParameterServerServicer
+from ps_server.shard import ParameterShard
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pstrain-ps", description="Run one pstrain parameter-server shard.")
+    p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
+    p.add_argument("--shard-id", type=int, required=True, help="which shard of the job this process serves")
+    p.add_argument("--bind", default="0.0.0.0:0", help="address to listen on (port 0 picks a free port)")
+    p.add_argument("--advertise-host", default="127.0.0.1", help="host name other members use to reach this shard")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.add_argument("--connect-timeout-s", type=float, default=120.0)
+    p.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> TensorAssembler:
+    assembler = TensorAssembler(__import__("torch").float32, numel)
+    for chunk in stub.FetchInitialParameters(pb.InitialParametersRequest(shard_id=shard_id), timeout=300):
+        assembler.add(chunk)
+    return assembler
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    stop_on_signals(stop)
+    servicer = ParameterServerServicer(chunk_bytes=512 * 1024)
+    server = start_server(args.bind, [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
+    address = advertised_address(args.advertise_host, server.port)
+    log.info("shard %d listening on %s", args.shard_id, address)
+    channel = open_channel(args.coordinator)
+    shard: ParameterShard | None = None
+    try:
+        wait_until_reachable(channel, args.coordinator, args.connect_timeout_s)
+        stub = pb_grpc.CoordinatorStub(channel)
+        reply = stub.RegisterParameterServer(
+            pb.RegisterPsRequest(shard_id=args.shard_id, address=address), timeout=CONTROL_TIMEOUT_S
+        )
+        job = reply.job
+        servicer._chunk_bytes = job.chunk_bytes
+        initial = fetch_initial(stub, args.shard_id, reply.end - reply.start).result()
+        shard = ParameterShard(
+            args.shard_id, reply.start, reply.end, initial, job.optimizer, job.lr_schedule, job.workers
+        )
+        servicer.attach(shard)
+        server.set_serving(True)
+        if args.port_file:
+            write_port_file(args.port_file, server.port)
+        stub.ParameterServerReady(pb.PsReadyRequest(shard_id=args.shard_id), timeout=CONTROL_TIMEOUT_S)
+        log.info("shard %d serving [%d, %d) of %d parameters", args.shard_id, reply.start, reply.end, job.total_params)
+        while not stop.wait(job.heartbeat_s):
+            try:
+                directive = stub.Heartbeat(pb.HeartbeatRequest(role="ps", id=args.shard_id), timeout=CONTROL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.warning("heartbeat to coordinator failed: %s", exc.details())
+                continue
+            if directive.stop:
+                log.info("coordinator says stop: %s", directive.reason)
+                break
+        return 0
+    except grpc.RpcError as exc:
+        log.error("coordinator refused shard %d: %s: %s", args.shard_id, exc.code().name, exc.details())
+        return 1
+    except ConnectionError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        server.set_serving(False)
+        if shard is not None:
+            shard.close()
+        server.stop(args.grace_s)
+        channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(f"pstrain-ps-{args.shard_id}", args.log_level)
+    return run(args)

@@ -1,0 +1,62 @@
+"""The worker's side of the Coordinator contract: data shards, step reports, heartbeats."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from protos import pstrain_pb2 as pb
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.codec import encode_named_tensors
+from protos.transport import CONTROL_TIMEOUT_S
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorLink:
+    def __init__(self, channel: grpc.Channel, worker_id: int = -1) -> None:
+        self._stub = pb_grpc.CoordinatorStub(channel)
+        self.worker_id = worker_id
+
+    def register(self, address: str, devices: list[str], hostname: str) -> pb.RegisterWorkerReply:
+        reply = self._stub.RegisterWorker(
+            pb.RegisterWorkerRequest(address=address, devices=devices, hostname=hostname), timeout=CONTROL_TIMEOUT_S
+        )
+        self.worker_id = reply.worker_id
+        return reply
+
+    def wait_for_cluster(self, timeout_s: float) -> pb.ClusterView:
+        return self._stub.WaitForCluster(pb.WaitForClusterRequest(), timeout=timeout_s)
+
+    # ShardSource
+    def request(self) -> pb.DataShard:
+        return self._stub.RequestDataShard(pb.DataShardRequest(worker_id=self.worker_id), timeout=CONTROL_TIMEOUT_S)
+
+    def complete(self, shard_id: int) -> None:
+        self._stub.CompleteDataShard(
+            pb.CompleteDataShardRequest(worker_id=self.worker_id, shard_id=shard_id), timeout=CONTROL_TIMEOUT_S
+        )
+
+    # StepReporter
+    def report(self, report: pb.StepReport) -> pb.Directive:
+        return self._stub.ReportStep(report, timeout=CONTROL_TIMEOUT_S)
+
+    def upload_buffers(self, buffers: dict, chunk_bytes: int) -> None:  # type: ignore[type-arg]
+        self._stub.UploadBuffers(encode_named_tensors(buffers, chunk_bytes), timeout=300)
+
+    def heartbeat_until(self, stop: threading.Event, interval_s: float, abort: threading.Event) -> None:
+        """Heartbeat every ``interval_s`` until ``stop``; set ``abort`` if the coordinator ends the job."""
+        while not stop.wait(interval_s):
+            try:
+                directive = self._stub.Heartbeat(
+                    pb.HeartbeatRequest(role="worker", id=self.worker_id), timeout=CONTROL_TIMEOUT_S
+                )
+            except grpc.RpcError as exc:
+                log.warning("heartbeat to coordinator failed: %s", exc.details())
+                continue
+            if directive.stop and directive.state == pb.FAILED:
+                log.error("coordinator aborted the job: %s", directive.reason)
+                abort.set()
+                return

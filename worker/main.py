@@ -1,0 +1,110 @@
+"""``pstrain-worker``: one process per host, driving all of that host's devices.
+
+Start order: serve status (NOT_SERVING) -> register with the coordinator -> wait until every
+PS shard serves -> build one replica per device -> pull version 0 -> SERVING -> train to the
+job's last step -> (worker 0) upload the model buffers -> exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+
+import grpc
+
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.factories import FactoryError, ParamLayout, build_dataset, build_model, resolve_loss
+from protos.lifecycle import advertised_address, stop_on_signals, wait_until_reachable, write_port_file
+from protos.logs import configure_logging
+from protos.ps_client import PsClient
+from protos.transport import open_channel, start_server
+from worker.coordinator_link import CoordinatorLink
+from worker.data_feed import DataFeed
+from worker.devices import DeviceError, resolve_devices
+from worker.replicas import ReplicaSet
+from worker.service import WorkerServicer
+from worker.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pstrain-worker", description="Run the pstrain worker of this host.")
+    p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
+    p.add_argument("--devices", default="", help="comma-separated devices (cuda:0,cuda:1); default from the job")
+    p.add_argument("--bind", default="0.0.0.0:0", help="status endpoint address (port 0 picks a free port)")
+    p.add_argument("--advertise-host", default="127.0.0.1")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.add_argument("--connect-timeout-s", type=float, default=120.0)
+    p.add_argument("--cluster-timeout-s", type=float, default=600.0, help="how long to wait for every PS shard")
+    p.add_argument("--grace-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    stop_on_signals(stop)
+    servicer = WorkerServicer(devices=[])
+    server = start_server(args.bind, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"])
+    address = advertised_address(args.advertise_host, server.port)
+    channel = open_channel(args.coordinator)
+    heartbeat_stop = threading.Event()
+    replicas: ReplicaSet | None = None
+    ps: PsClient | None = None
+    try:
+        wait_until_reachable(channel, args.coordinator, args.connect_timeout_s)
+        link = CoordinatorLink(channel)
+        # Resolve devices before registering so a misconfigured host is refused cleanly.
+        requested = [d for d in args.devices.split(",") if d]
+        reply = link.register(address, requested, socket.gethostname())
+        job = reply.job
+        devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
+        servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
+        log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
+        threading.Thread(
+            target=link.heartbeat_until, args=(heartbeat_stop, job.heartbeat_s, stop), daemon=True, name="heartbeat"
+        ).start()
+        cluster = link.wait_for_cluster(args.cluster_timeout_s)
+        layout_model = build_model(job.model_factory, job.model_kwargs_json)
+        layout = ParamLayout.of(layout_model)
+        if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
+            raise FactoryError("this host's model factory builds a different model than the coordinator's")
+        replicas = ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout)
+        ps = PsClient(list(cluster.ps_addresses), job.total_params, job.chunk_bytes, job.push_timeout_s, job.pull_timeout_s)
+        feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
+        trainer = Trainer(reply.worker_id, job, replicas, ps, feed, resolve_loss(job.loss), link, stop)
+        servicer.progress = trainer.progress
+        server.set_serving(True)
+        if args.port_file:
+            write_port_file(args.port_file, server.port)
+        trainer.run()
+        if stop.is_set() and trainer.progress.state != "finished":
+            return 0 if trainer.progress.state == "stopped" else 1
+        buffers = replicas.buffers()
+        if reply.worker_id == 0 and buffers:
+            link.upload_buffers(buffers, job.chunk_bytes)
+        log.info("worker %d finished at step %d", reply.worker_id, trainer.progress.step)
+        return 0
+    except grpc.RpcError as exc:
+        log.error("RPC failed: %s: %s", exc.code().name, exc.details())
+        return 1
+    except (ConnectionError, DeviceError, FactoryError) as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        heartbeat_stop.set()
+        server.stop(args.grace_s)
+        if ps is not None:
+            ps.close()
+        if replicas is not None:
+            replicas.close()
+        channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging("pstrain-worker", args.log_level)
+    return run(args)

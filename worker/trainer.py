@@ -1,0 +1,100 @@
+"""The worker's training loop: pull, compute on every device, sum on the host, push, report."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from protos import pstrain_pb2 as pb
+from protos.factories import LossFn
+from protos.ps_client import PsClient
+from worker.data_feed import DataFeed
+from worker.replicas import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+
+class StepReporter(Protocol):
+    def report(self, report: pb.StepReport) -> pb.Directive: ...
+
+
+@dataclass
+class TrainerProgress:
+    """What the Worker status RPC shows; written by the loop, read by the servicer."""
+
+    step: int = 0
+    last_step_s: float = 0.0
+    state: str = "starting"
+
+
+class Trainer:
+    def __init__(
+        self,
+        worker_id: int,
+        job: pb.JobSpec,
+        replicas: ReplicaSet,
+        ps: PsClient,
+        feed: DataFeed,
+        loss_fn: LossFn,
+        reporter: StepReporter,
+        stop: threading.Event,
+    ) -> None:
+        self.worker_id = worker_id
+        self.job = job
+        self.replicas = replicas
+        self.ps = ps
+        self.feed = feed
+        self.loss_fn = loss_fn
+        self.reporter = reporter
+        self.stop = stop
+        self.progress = TrainerProgress()
+
+    def run(self) -> int:
+        """Train until the job's last step; returns the number of steps this worker ran."""
+        version = self.ps.pull(0, self.replicas.host_params)
+        self.replicas.load_parameters()
+        self.replicas.train()
+        self.progress.state = "training"
+        log.info("worker %d starts at step %d of %d", self.worker_id, version, self.job.steps)
+        ran = 0
+        for step in range(version, self.job.steps):
+            if self.stop.is_set():
+                self.progress.state = "stopped"
+                log.info("worker %d stopping before step %d", self.worker_id, step)
+                break
+            directive = self._step(step)
+            ran += 1
+            if directive.stop and step + 1 < self.job.steps:
+                log.warning("coordinator stopped the job at step %d: %s", step, directive.reason)
+                self.progress.state = "stopped"
+                break
+        else:
+            self.progress.state = "finished"
+        return ran
+
+    def _step(self, step: int) -> pb.Directive:
+        started = time.perf_counter()
+        devices = len(self.replicas)
+        inputs, targets = self.feed.next_batch(self.job.per_device_batch * devices)
+        losses = self.replicas.forward_backward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
+        grads = self.replicas.sum_gradients()
+        self.ps.push(grads, self.worker_id, step, devices).wait()
+        self.feed.commit()
+        self.ps.pull(step + 1, self.replicas.host_params)
+        self.replicas.load_parameters()
+        elapsed = time.perf_counter() - started
+        self.progress.step = step + 1
+        self.progress.last_step_s = elapsed
+        return self.reporter.report(
+            pb.StepReport(
+                worker_id=self.worker_id,
+                step=step,
+                loss=sum(losses) / devices,
+                samples=int(inputs.shape[0]),
+                step_s=elapsed,
+            )
+        )
+
