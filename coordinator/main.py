@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             job.check_liveness()
         if stop.is_set():
             job.fail("coordinator stopped by signal")
+            return 0  # SIGTERM is an orderly stop, not a failure of this process
         job.wait_stopped(args.linger_s)
         return 0 if job.state == JobState.FINISHED else 1
     finally:

@@ -78,8 +78,12 @@ class PsClient:
     def status(self) -> list[pb.ShardStatus]:
         return [stub.GetShardStatus(pb.ShardStatusRequest(), timeout=30) for stub in self._stubs]
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, cancel: bool = False) -> None:
+        """Release the channels; with ``cancel`` in-flight calls fail at once (CANCELLED)."""
+        if cancel:
+            for channel in self._channels:
+                channel.close()
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
         for channel in self._channels:
             channel.close()
 

@@ -12,6 +12,7 @@ import logging
 import threading
 
 import grpc
+import torch
 
 from protos import pstrain_pb2 as pb
 from protos import pstrain_pb2_grpc as pb_grpc
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> TensorAssembler:
-    assembler = TensorAssembler(__import__("torch").float32, numel)
+    assembler = TensorAssembler(torch.float32, numel)
     for chunk in stub.FetchInitialParameters(pb.InitialParametersRequest(shard_id=shard_id), timeout=300):
         assembler.add(chunk)
     return assembler
@@ -61,12 +62,11 @@ def run(args: argparse.Namespace) -> int:
             pb.RegisterPsRequest(shard_id=args.shard_id, address=address), timeout=CONTROL_TIMEOUT_S
         )
         job = reply.job
-        servicer._chunk_bytes = job.chunk_bytes
         initial = fetch_initial(stub, args.shard_id, reply.end - reply.start).result()
         shard = ParameterShard(
             args.shard_id, reply.start, reply.end, initial, job.optimizer, job.lr_schedule, job.workers
         )
-        servicer.attach(shard)
+        servicer.attach(shard, job.chunk_bytes)
         server.set_serving(True)
         if args.port_file:
             write_port_file(args.port_file, server.port)

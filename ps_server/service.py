@@ -52,9 +52,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._pool: _StagingPool | None = None
         self._chunk_bytes = chunk_bytes
 
-    def attach(self, shard: ParameterShard) -> None:
+    def attach(self, shard: ParameterShard, chunk_bytes: int) -> None:
         """Called once the shard holds its initial parameters; until then RPCs are UNAVAILABLE."""
         self._pool = _StagingPool(shard.numel)
+        self._chunk_bytes = chunk_bytes
         self._shard = shard
 
     @property

@@ -46,8 +46,11 @@ class CoordinatorLink:
     def upload_buffers(self, buffers: dict, chunk_bytes: int) -> None:  # type: ignore[type-arg]
         self._stub.UploadBuffers(encode_named_tensors(buffers, chunk_bytes), timeout=300)
 
-    def heartbeat_until(self, stop: threading.Event, interval_s: float, abort: threading.Event) -> None:
-        """Heartbeat every ``interval_s`` until ``stop``; set ``abort`` if the coordinator ends the job."""
+    def heartbeat_until(
+        self, stop: threading.Event, interval_s: float, aborted: threading.Event, wake: threading.Event
+    ) -> None:
+        """Heartbeat every ``interval_s`` until ``stop``; if the coordinator fails the job, set ``aborted``
+        and ``wake`` (the training loop's stop flag)."""
         while not stop.wait(interval_s):
             try:
                 directive = self._stub.Heartbeat(
@@ -58,5 +61,6 @@ class CoordinatorLink:
                 continue
             if directive.stop and directive.state == pb.FAILED:
                 log.error("coordinator aborted the job: %s", directive.reason)
-                abort.set()
+                aborted.set()
+                wake.set()
                 return

@@ -44,6 +44,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
+    """Train in a thread so SIGTERM is seen even while a pull waits for slower workers.
+
+    Returns None when training reached the last step, else the exit code: 0 for an orderly
+    stop (SIGTERM, or the coordinator ending the job), 1 when training raised.
+    """
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def train() -> None:
+        try:
+            trainer.run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+        finally:
+            done.set()
+            stop.set()  # wakes the main thread
+
+    thread = threading.Thread(target=train, name="trainer", daemon=True)
+    thread.start()
+    stop.wait()
+    if not done.is_set():
+        log.info("stopping: cancelling in-flight parameter-server calls")
+        trainer.ps.close(cancel=True)
+        thread.join(timeout=30)
+        return 0
+    if errors:
+        raise errors[0]
+    return None if trainer.progress.state == "finished" else 0
+
+
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
@@ -52,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     address = advertised_address(args.advertise_host, server.port)
     channel = open_channel(args.coordinator)
     heartbeat_stop = threading.Event()
+    aborted = threading.Event()
     replicas: ReplicaSet | None = None
     ps: PsClient | None = None
     try:
@@ -65,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
         log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
         threading.Thread(
-            target=link.heartbeat_until, args=(heartbeat_stop, job.heartbeat_s, stop), daemon=True, name="heartbeat"
+            target=link.heartbeat_until, args=(heartbeat_stop, job.heartbeat_s, aborted, stop), daemon=True,
+            name="heartbeat",
         ).start()
         cluster = link.wait_for_cluster(args.cluster_timeout_s)
         layout_model = build_model(job.model_factory, job.model_kwargs_json)
@@ -80,9 +113,11 @@ def run(args: argparse.Namespace) -> int:
         server.set_serving(True)
         if args.port_file:
             write_port_file(args.port_file, server.port)
-        trainer.run()
-        if stop.is_set() and trainer.progress.state != "finished":
-            return 0 if trainer.progress.state == "stopped" else 1
+        outcome = run_interruptibly(trainer, stop)
+        if aborted.is_set():
+            return 1
+        if outcome is not None:
+            return outcome
         buffers = replicas.buffers()
         if reply.worker_id == 0 and buffers:
             link.upload_buffers(buffers, job.chunk_bytes)

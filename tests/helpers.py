@@ -1,0 +1,111 @@
+"""Factories that test jobs name by path (child processes import them) and process helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def odd_mlp(inputs: int = 5, hidden: int = 7, classes: int = 4) -> nn.Module:
+    """74 parameters with the defaults: not divisible by 3 shards."""
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+
+
+def bn_mlp() -> nn.Module:
+    """Has buffers (BatchNorm running statistics) that must reach model.pt."""
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 4))
+
+
+def classification_set(n: int = 16, inputs: int = 5, classes: int = 4, seed: int = 1) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, inputs, generator=gen), torch.randint(0, classes, (n,), generator=gen))
+
+
+class FailingDataset(Dataset):
+    """Raises when a worker reads sample ``fail_at`` (the coordinator only asks for its length)."""
+
+    def __init__(self, n: int = 64, fail_at: int = 10) -> None:
+        self.inner = classification_set(n)
+        self.fail_at = fail_at
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+        if index == self.fail_at:
+            raise RuntimeError(f"injected failure reading sample {index}")
+        return self.inner[index]
+
+
+def failing_set(n: int = 64, fail_at: int = 10) -> Dataset:
+    return FailingDataset(n, fail_at)
+
+
+def write_job(path: Path, **sections: object) -> Path:
+    """Write a job file: a tiny default job with ``sections`` replacing whole top-level keys."""
+    job: dict[str, object] = {
+        "model": {"factory": "tests.helpers:odd_mlp"},
+        "data": {"factory": "tests.helpers:classification_set", "shard_size": 8, "shuffle": True},
+        "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "batch": {"per_device": 4, "lr_scaling": "linear"},
+        "job": {"steps": 6, "seed": 3},
+        "cluster": {"ps_shards": 3, "workers": 2, "devices_per_worker": 2},
+        "transport": {"heartbeat_s": 0.5, "heartbeat_timeout_s": 30.0},
+    }
+    job.update(sections)
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def child_env(marker: str) -> dict[str, str]:
+    """Environment for a launched cluster; ``marker`` lets a test find every descendant."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env["PSTRAIN_TEST_MARKER"] = marker
+    return env
+
+
+def pids_with_marker(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker`` (children inherit it)."""
+    found = []
+    needle = f"PSTRAIN_TEST_MARKER={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                stat = (entry / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll ``condition`` until it returns something truthy or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def run_local(job: Path, out: Path, marker: str, timeout_s: float = 240, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
+    """Run ``pstrain local`` as a real process and return the CompletedProcess."""
+    cmd = [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out), *(extra or [])]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(marker), capture_output=True, text=True, timeout=timeout_s)

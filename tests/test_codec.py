@@ -1,0 +1,104 @@
+import pytest
+import torch
+
+from protos import pstrain_pb2 as pb
+from protos.codec import (
+    TORCH_TO_WIRE,
+    CodecError,
+    TensorAssembler,
+    decode_named_tensors,
+    decode_tensor,
+    encode_chunks,
+    encode_named_tensors,
+)
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_TO_WIRE))
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (3, 5), (2, 0, 4), (1001,), ()])
+@pytest.mark.parametrize("chunk_bytes", [1, 13, 64, 1 << 20])
+def test_round_trip_every_dtype_and_size(dtype, shape, chunk_bytes):
+    tensor = sample(dtype, shape)
+    chunks = list(encode_chunks(tensor, chunk_bytes))
+    assert chunks, "even an empty tensor sends one chunk"
+    assert all(len(c.data) <= max(chunk_bytes, tensor.element_size()) for c in chunks)
+    back = decode_tensor(iter(chunks))
+    assert back.dtype == dtype and back.shape == tensor.shape
+    assert torch.equal(back, tensor)
+
+
+def test_chunks_are_raw_little_endian_bytes():
+    tensor = torch.tensor([1.0, -2.0], dtype=torch.float32)
+    (chunk,) = encode_chunks(tensor)
+    assert chunk.data == b"\x00\x00\x80\x3f\x00\x00\x00\xc0"
+    assert chunk.dtype == pb.FLOAT32 and list(chunk.shape) == [2] and chunk.offset == 0
+
+
+def test_non_contiguous_and_offsets():
+    tensor = torch.arange(24, dtype=torch.float64).view(4, 6).t()
+    chunks = list(encode_chunks(tensor, 40))
+    assert [c.offset for c in chunks] == [0, 5, 10, 15, 20]
+    assert torch.equal(decode_tensor(iter(chunks)), tensor)
+
+
+def test_assembler_writes_into_the_given_buffer():
+    out = torch.zeros(10)
+    source = torch.arange(10, dtype=torch.float32)
+    assembler = TensorAssembler(torch.float32, 10, out=out)
+    for chunk in encode_chunks(source, 12):
+        assembler.add(chunk)
+    assert assembler.result() is out and torch.equal(out, source)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: setattr(c[1], "offset", 7), "out of order"),
+        (lambda c: setattr(c[1], "dtype", pb.FLOAT64), "does not match"),
+        (lambda c: setattr(c[1], "data", c[1].data[:-1]), "whole number"),
+        (lambda c: setattr(c[1], "data", c[1].data + b"\0" * 8), "exceed"),
+        (lambda c: setattr(c[1], "dtype", 99), "unknown wire dtype"),
+    ],
+)
+def test_malformed_streams_are_rejected(mutate, message):
+    chunks = list(encode_chunks(torch.arange(8, dtype=torch.float32), 16))
+    mutate(chunks)
+    with pytest.raises(CodecError, match=message):
+        decode_tensor(iter(chunks))
+
+
+def test_incomplete_stream_is_rejected():
+    chunks = list(encode_chunks(torch.arange(8, dtype=torch.float32), 16))[:-1]
+    with pytest.raises(CodecError, match="ended after 4 of 8"):
+        decode_tensor(iter(chunks))
+
+
+def test_unsupported_dtype_and_device():
+    with pytest.raises(CodecError, match="cannot travel"):
+        list(encode_chunks(torch.zeros(2, dtype=torch.complex64)))
+    with pytest.raises(CodecError, match="chunk_bytes"):
+        list(encode_chunks(torch.zeros(2), 0))
+
+
+def test_named_tensors_round_trip():
+    tensors = {"a.running_mean": torch.randn(3), "a.num_batches_tracked": torch.tensor(5), "b": torch.zeros(0)}
+    back = decode_named_tensors(encode_named_tensors(tensors, 4))
+    assert list(back) == list(tensors)
+    for name, value in tensors.items():
+        assert torch.equal(back[name], value) and back[name].dtype == value.dtype
+
+
+def test_named_tensor_sent_twice_is_rejected():
+    chunks = [*encode_named_tensors({"x": torch.ones(2)}), *encode_named_tensors({"y": torch.ones(1)})]
+    chunks += list(encode_named_tensors({"x": torch.ones(2)}))
+    with pytest.raises(CodecError, match="sent twice"):
+        decode_named_tensors(iter(chunks))

@@ -1,0 +1,96 @@
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator.config import JobConfig, load_config, parse_config
+from coordinator.errors import ConfigError
+from coordinator.plan import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+MINIMAL = {"model": {"factory": "m:f"}, "data": {"factory": "d:f"}}
+
+
+def with_(section, **values):
+    raw = {k: dict(v) for k, v in MINIMAL.items()}
+    raw.setdefault(section, {}).update(values)
+    return raw
+
+
+def test_example_job_file_loads_with_documented_values():
+    cfg = load_config(REPO / "examples" / "digits.yaml")
+    assert isinstance(cfg, JobConfig)
+    assert cfg.cluster.workers == 2 and cfg.cluster.device_count == 2 and cfg.data.shard_size == 256
+    assert cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0.9
+
+
+def test_defaults_fill_missing_sections():
+    cfg = parse_config(MINIMAL)
+    assert cfg.loss == "cross_entropy" and cfg.optimizer.lr == 0.1 and cfg.batch.per_device == 64
+    assert cfg.job.steps == 200 and cfg.cluster.ps_shards == 2 and cfg.transport.chunk_bytes == 512 * 1024
+
+
+def test_device_list():
+    cfg = parse_config(with_("cluster", devices_per_worker=["cuda:0", "cuda:1", "cuda:3"]))
+    assert cfg.cluster.device_count == 3 and cfg.cluster.device_list == ["cuda:0", "cuda:1", "cuda:3"]
+
+
+@pytest.mark.parametrize("raw, match", [
+    (with_("optimizer", lr=-1), r"optimizer\.lr: must be positive"),
+    (with_("optimizer", name="rmsprop"), r"optimizer\.name: 'rmsprop' is not one of sgd, adam, adamw"),
+    (with_("optimizer", lrr=0.1), r"optimizer\.lrr: unknown key; known keys here are"),
+    (with_("optimizer", lr="fast"), r"optimizer\.lr: expected float, got 'fast'"),
+    (with_("optimizer", nesterov=True), r"optimizer\.nesterov: needs momentum > 0"),
+    (with_("optimizer", betas=[0.9]), r"optimizer\.betas"),
+    (with_("batch", per_device=0), r"batch\.per_device: must be at least 1"),
+    (with_("batch", per_device=True), r"batch\.per_device: expected int, got True"),
+    (with_("batch", lr_scaling="cubic"), r"batch\.lr_scaling: 'cubic' is not one of"),
+    (with_("cluster", devices_per_worker=[]), r"cluster\.devices_per_worker: the device list is empty"),
+    (with_("cluster", ps_shards=0), r"cluster\.ps_shards: must be at least 1"),
+    (with_("job", steps=0), r"job\.steps: must be at least 1"),
+    (with_("data", shard_size=0), r"data\.shard_size"),
+    (with_("transport", heartbeat_s=10, heartbeat_timeout_s=5), r"transport\.heartbeat_timeout_s"),
+    (with_("transport", chunk_bytes=10), r"transport\.chunk_bytes"),
+    ({"data": {"factory": "d:f"}}, r"model: required key is missing"),
+    ({**MINIMAL, "modle": {}}, r"modle: unknown key"),
+    ({"model": {"factory": "no_colon"}, "data": {"factory": "d:f"}}, r"model\.factory: 'no_colon' must look like"),
+    ({**MINIMAL, "optimizer": [1, 2]}, r"optimizer: must be a mapping"),
+    ([1, 2], r"the job file: must be a mapping"),
+])
+def test_bad_config_names_the_key(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(raw)
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {factory: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read job file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_steps_override():
+    assert parse_config(MINIMAL).with_steps(7).job.steps == 7
+
+
+@pytest.mark.parametrize("scaling, factor", [("linear", 8.0), ("sqrt", math.sqrt(8)), ("none", 1.0)])
+def test_plan_global_batch_and_lr_scaling(scaling, factor):
+    raw = with_("batch", per_device=32, lr_scaling=scaling)
+    raw["cluster"] = {"workers": 4, "devices_per_worker": 2}
+    raw["optimizer"] = {"lr": 0.05}
+    plan = make_plan(parse_config(yaml.safe_load(yaml.safe_dump(raw))))
+    assert plan.total_devices == 8 and plan.global_batch == 256
+    assert plan.scaled_lr == pytest.approx(0.05 * factor)
+    assert plan.lr_at(0) == plan.lr_at(1000) == pytest.approx(0.05 * factor)
+
+
+def test_plan_warmup_is_linear():
+    raw = with_("batch", per_device=8, warmup_steps=4)
+    raw["cluster"] = {"workers": 1, "devices_per_worker": 2}
+    raw["optimizer"] = {"lr": 0.1}
+    plan = make_plan(parse_config(raw))
+    assert [round(plan.lr_at(s), 6) for s in range(6)] == [0.05, 0.1, 0.15, 0.2, 0.2, 0.2]
+    assert "warmup 4 steps" in plan.describe() and "global 16" in plan.describe()

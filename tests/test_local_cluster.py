@@ -1,0 +1,123 @@
+"""``pstrain local`` as a user runs it: success, failures and Ctrl-C, never an orphan process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+
+from tests.helpers import REPO_ROOT, child_env, pids_with_marker, run_local, wait_for, write_job
+
+
+def metrics_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def start_local(job: Path, out: Path, marker: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out)],
+        cwd=REPO_ROOT, env=child_env(marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_outputs_and_buffers(tmp_path):
+    job = write_job(
+        tmp_path / "job.yaml",
+        model={"factory": "tests.helpers:bn_mlp"},
+        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": 32}, "shard_size": 8},
+        job={"steps": 5, "seed": 0},
+        cluster={"ps_shards": 2, "workers": 2, "devices_per_worker": 1},
+    )
+    marker = uuid.uuid4().hex
+    result = run_local(job, tmp_path / "out", marker, extra=["--steps", "4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 4 steps" in result.stdout
+    lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    assert {"step", "loss", "lr", "global_batch", "samples_per_s"} <= set(lines[0])
+    assert all(m["global_batch"] == 8 and m["samples_per_s"] > 0 for m in lines)
+    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert int(state["1.num_batches_tracked"]) == 4, "BatchNorm buffers come from worker 0's first replica"
+    assert not torch.equal(state["1.running_mean"], torch.zeros(6))
+    for name in ("coordinator", "ps-0", "ps-1", "worker-0", "worker-1"):
+        assert (tmp_path / "out" / "logs" / f"{name}.log").exists()
+    assert not pids_with_marker(marker)
+
+
+def test_a_crashing_worker_stops_the_cluster(tmp_path):
+    job = write_job(
+        tmp_path / "job.yaml",
+        data={"factory": "tests.helpers:failing_set", "kwargs": {"n": 64, "fail_at": 10}, "shard_size": 8},
+        job={"steps": 50, "seed": 0},
+    )
+    marker = uuid.uuid4().hex
+    result = run_local(job, tmp_path / "out", marker)
+    assert result.returncode == 1
+    assert "exited with code 1" in result.stderr and "injected failure reading sample 10" in result.stderr
+    assert not pids_with_marker(marker)
+
+
+def test_a_killed_parameter_server_stops_the_cluster(tmp_path):
+    job = write_job(tmp_path / "job.yaml", job={"steps": 100000, "seed": 0})
+    marker = uuid.uuid4().hex
+    proc = start_local(job, tmp_path / "out", marker)
+    try:
+        wait_for(lambda: metrics_lines(tmp_path / "out") >= 2, 120, "training to start")
+        ps = [p for p in pids_with_marker(marker) if b"ps_server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ps) == 3
+        os.kill(ps[1], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert "exited with code -9" in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: not pids_with_marker(marker), 10, "every child to be gone")
+
+
+def test_ctrl_c_drains_and_exits_130(tmp_path):
+    job = write_job(tmp_path / "job.yaml", job={"steps": 100000, "seed": 0})
+    marker = uuid.uuid4().hex
+    proc = start_local(job, tmp_path / "out", marker)
+    try:
+        wait_for(lambda: metrics_lines(tmp_path / "out") >= 2, 120, "training to start")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "interrupted" in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not pids_with_marker(marker)
+
+
+def test_killing_the_launcher_takes_its_children_along(tmp_path):
+    job = write_job(tmp_path / "job.yaml", job={"steps": 100000, "seed": 0})
+    marker = uuid.uuid4().hex
+    proc = start_local(job, tmp_path / "out", marker)
+    try:
+        wait_for(lambda: metrics_lines(tmp_path / "out") >= 1, 120, "training to start")
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: not pids_with_marker(marker), 30, "orphans to die with the launcher (PDEATHSIG)")
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    job = write_job(tmp_path / "job.yaml", optimizer={"name": "sgd", "lr": -0.1})
+    result = run_local(job, tmp_path / "out", uuid.uuid4().hex)
+    assert result.returncode == 2 and "optimizer.lr: must be positive" in result.stderr
+    job = write_job(tmp_path / "job.yaml", model={"factory": "tests.helpers:no_such_model"})
+    marker = uuid.uuid4().hex
+    result = run_local(job, tmp_path / "out", marker)
+    assert result.returncode == 1 and "no attribute 'no_such_model'" in result.stderr
+    assert not pids_with_marker(marker)

@@ -1,0 +1,146 @@
+"""The ParameterServer service over real gRPC on 127.0.0.1 ephemeral ports."""
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import pstrain_pb2 as pb
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.codec import encode_chunks
+from protos.ps_client import PsClient
+from protos.shard_map import shard_ranges
+from protos.transport import open_channel, start_server
+from ps_server.service import ParameterServerServicer
+from ps_server.shard import ParameterShard
+
+TOTAL = 11
+SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)
+LR = pb.LrSchedule(scaled_lr=0.5)
+
+
+@pytest.fixture
+def cluster():
+    """Two shards of an 11-element model, each its own gRPC server, for 2 workers."""
+    initial = torch.linspace(-1, 1, TOTAL)
+    servers, shards = [], []
+    for r in shard_ranges(TOTAL, 2):
+        servicer = ParameterServerServicer(chunk_bytes=8)  # tiny chunks: many per stream
+        server = start_server("127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
+        shard = ParameterShard(r.shard_id, r.start, r.end, initial[r.start : r.end].clone(), SGD, LR, workers=2)
+        servicer.attach(shard, 8)
+        server.set_serving(True)
+        servers.append(server)
+        shards.append(shard)
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    client = PsClient(addresses, TOTAL, chunk_bytes=12, push_timeout_s=10, pull_timeout_s=10)
+    yield addresses, shards, client, initial
+    client.close()
+    for s in servers:
+        s.stop(0)
+
+
+def test_push_pull_round_trip_matches_torch(cluster):
+    addresses, shards, client, initial = cluster
+    out = torch.empty(TOTAL)
+    assert client.pull(0, out) == 0 and torch.equal(out, initial)
+    ref = torch.nn.Parameter(initial.clone())
+    opt = torch.optim.SGD([ref], lr=0.5, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        g0, g1 = torch.randn(TOTAL, generator=gen), torch.randn(TOTAL, generator=gen)
+        first = client.push(g0, worker_id=0, step=step, device_count=2)
+        second = client.push(g1, worker_id=1, step=step, device_count=2)
+        replies = first.wait() + second.wait()
+        assert sum(r.completed for r in replies) == 2  # each shard completed exactly once
+        assert client.pull(step + 1, out) == step + 1
+        ref.grad = (g0 + g1) / 4
+        opt.step()
+        assert torch.allclose(out, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def raw_push(address, header, chunks):
+    with open_channel(address) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        messages = ([pb.PushRequest(header=header)] if header else []) + [pb.PushRequest(chunk=c) for c in chunks]
+        return stub.Push(iter(messages), timeout=10)
+
+
+def header(**overrides):
+    fields = dict(shard_id=0, worker_id=0, step=0, device_count=1, dtype=pb.FLOAT32, numel=6) | overrides
+    return pb.PushHeader(**fields)
+
+
+@pytest.mark.parametrize("hdr, chunks, code, match", [
+    (header(numel=5), list(encode_chunks(torch.ones(5))), grpc.StatusCode.INVALID_ARGUMENT, "owns 6 elements"),
+    (header(dtype=pb.FLOAT64), list(encode_chunks(torch.ones(6, dtype=torch.float64))),
+     grpc.StatusCode.INVALID_ARGUMENT, "FLOAT32"),
+    (header(shard_id=1), list(encode_chunks(torch.ones(6))), grpc.StatusCode.INVALID_ARGUMENT, "reached shard 0"),
+    (header(worker_id=9), list(encode_chunks(torch.ones(6))), grpc.StatusCode.NOT_FOUND, "unknown worker 9"),
+    (header(step=3), list(encode_chunks(torch.ones(6))), grpc.StatusCode.FAILED_PRECONDITION, "ahead"),
+    (None, list(encode_chunks(torch.ones(6))), grpc.StatusCode.INVALID_ARGUMENT, "must start with a PushHeader"),
+    (header(), list(encode_chunks(torch.ones(4))), grpc.StatusCode.INVALID_ARGUMENT, "ended after 4 of 6"),
+    (header(), list(encode_chunks(torch.ones(6, dtype=torch.float64))), grpc.StatusCode.INVALID_ARGUMENT,
+     "does not match"),
+])
+def test_bad_pushes_get_the_right_status_and_change_nothing(cluster, hdr, chunks, code, match):
+    addresses, shards, _, _ = cluster
+    before = shards[0].parameters()
+    with pytest.raises(grpc.RpcError) as err:
+        raw_push(addresses[0], hdr, chunks)
+    assert err.value.code() == code and match in err.value.details()
+    after = shards[0].parameters()
+    assert before[0] == after[0] and torch.equal(before[1], after[1])
+    assert shards[0].snapshot().pushes_waiting == 0
+
+
+def test_stale_push_is_failed_precondition_and_duplicate_is_ok(cluster):
+    addresses, shards, client, _ = cluster
+    for step in range(2):
+        client.push(torch.ones(TOTAL), 0, step, 1).wait()
+        client.push(torch.ones(TOTAL), 1, step, 1).wait()
+    reply = raw_push(addresses[0], header(step=1, worker_id=1), list(encode_chunks(torch.ones(6))))
+    assert reply.duplicate and reply.version == 2
+    with pytest.raises(grpc.RpcError) as err:
+        raw_push(addresses[0], header(step=0), list(encode_chunks(torch.ones(6))))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale push" in err.value.details()
+    assert shards[0].version == 2
+
+
+def test_pull_of_a_missing_version_hits_its_deadline(cluster):
+    addresses, _, _, _ = cluster
+    with open_channel(addresses[0]) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Pull(pb.PullRequest(shard_id=0, min_version=1), timeout=0.3))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Pull(pb.PullRequest(shard_id=1, min_version=0), timeout=5))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_status_and_health(cluster):
+    addresses, _, _, _ = cluster
+    with open_channel(addresses[1]) as channel:
+        status = pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(), timeout=5)
+        assert (status.shard_id, status.start, status.end, status.version) == (1, 6, 11, 0)
+        assert status.workers_expected == 2 and status.bytes_held == 5 * 4 * 2
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="pstrain.v1.ParameterServer"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unattached_shard_is_unavailable():
+    servicer = ParameterServerServicer(chunk_bytes=1024)
+    server = start_server("127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
+    try:
+        with open_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="pstrain.v1.ParameterServer"), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(0)

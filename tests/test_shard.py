@@ -1,0 +1,178 @@
+"""The synchronous push/pull protocol of one shard, without a network."""
+
+import threading
+
+import pytest
+import torch
+
+from protos import pstrain_pb2 as pb
+from ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from ps_server.shard import ParameterShard
+
+SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)
+ADAM = pb.OptimizerSpec(name="adam", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+LR = pb.LrSchedule(base_lr=0.1, scaled_lr=0.1)
+
+
+def make(optimizer=SGD, workers=2, numel=5, schedule=LR):
+    return ParameterShard(1, 10, 10 + numel, torch.arange(numel, dtype=torch.float32), optimizer, schedule, workers)
+
+
+def state(shard):
+    version, params = shard.parameters()
+    opt_state = [v.clone() for s in shard._optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return version, params, shard._accum.clone(), dict(shard._pending), opt_state
+
+
+def assert_same_state(a, b):
+    assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3] == b[3]
+    assert len(a[4]) == len(b[4]) and all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+
+
+@pytest.mark.parametrize("spec, cls, kwargs", [
+    (SGD, torch.optim.SGD, {"momentum": 0.9}),
+    (ADAM, torch.optim.Adam, {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}),
+    (pb.OptimizerSpec(name="adamw", beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1), torch.optim.AdamW,
+     {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
+    (pb.OptimizerSpec(name="sgd", momentum=0.5, nesterov=True, weight_decay=0.01), torch.optim.SGD,
+     {"momentum": 0.5, "nesterov": True, "weight_decay": 0.01}),
+])
+def test_update_matches_torch_optim_on_the_device_mean(spec, cls, kwargs):
+    shard = make(spec)
+    ref = torch.nn.Parameter(torch.arange(5, dtype=torch.float32))
+    opt = cls([ref], lr=0.1, **kwargs)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        g0, g1 = torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+        first = shard.push(0, step, g0, device_count=2)
+        assert not first.completed and first.version == step
+        second = shard.push(1, step, g1, device_count=1)
+        assert second.completed and second.version == step + 1
+        ref.grad = (g0 + g1) / 3  # three devices contributed
+        opt.step()
+    assert torch.allclose(shard.parameters()[1], ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_warmup_schedule_is_applied_per_step():
+    shard = make(pb.OptimizerSpec(name="sgd"), workers=1, schedule=pb.LrSchedule(scaled_lr=1.0, warmup_steps=4))
+    before = shard.parameters()[1]
+    for step in range(5):
+        shard.push(0, step, torch.ones(5), 1)
+    # lr: 0.25, 0.5, 0.75, 1.0, 1.0
+    assert torch.allclose(before - shard.parameters()[1], torch.full((5,), 3.5))
+
+
+def test_duplicate_push_is_idempotent_while_pending_and_after_completion():
+    shard = make()
+    shard.push(0, 0, torch.ones(5), 1)
+    before = state(shard)
+    again = shard.push(0, 0, torch.full((5,), 100.0), 1)
+    assert again.duplicate and not again.completed
+    assert_same_state(before, state(shard))
+    shard.push(1, 0, torch.ones(5), 1)
+    after_step = state(shard)
+    retry = shard.push(1, 0, torch.ones(5), 1)  # the reply was lost, the worker retries
+    assert retry.duplicate and retry.version == 1
+    assert_same_state(after_step, state(shard))
+
+
+def run_to_version(shard, version):
+    for step in range(version):
+        for worker in range(shard.workers):
+            shard.push(worker, step, torch.ones(shard.numel), 1)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(step=0), StepConflict, "stale push"),
+    (dict(step=5), StepConflict, "ahead of the shard"),
+    (dict(worker=7), UnknownWorker, "unknown worker 7"),
+    (dict(worker=-1), UnknownWorker, "unknown worker"),
+    (dict(grad=torch.ones(4)), InvalidArgument, "owns 5 elements"),
+    (dict(grad=torch.ones(5, dtype=torch.float64)), InvalidArgument, "FLOAT32|float32"),
+    (dict(devices=0), InvalidArgument, "device_count"),
+])
+def test_rejected_pushes_leave_the_shard_unchanged(bad, error, match):
+    shard = make()
+    run_to_version(shard, 2)
+    shard.push(1, 2, torch.ones(5), 1)  # one contribution pending for step 2
+    before = state(shard)
+    args = dict(worker=0, step=2, grad=torch.ones(5), devices=1) | bad
+    with pytest.raises(error, match=match):
+        shard.push(args["worker"], args["step"], args["grad"], args["devices"])
+    assert_same_state(before, state(shard))
+
+
+def test_header_checks_name_the_problem():
+    shard = make()
+    with pytest.raises(InvalidArgument, match="reached shard 1"):
+        shard.check_push(0, 0, 0, 1, pb.FLOAT32, 5)
+    with pytest.raises(InvalidArgument, match="FLOAT16"):
+        shard.check_push(1, 0, 0, 1, pb.FLOAT16, 5)
+
+
+def test_pull_waits_for_the_version_and_times_out_otherwise():
+    shard = make()
+    with pytest.raises(WaitTimeout, match="version 1 did not appear"):
+        with shard.read(1, timeout_s=0.05):
+            pass
+    got = []
+
+    def reader():
+        with shard.read(1, timeout_s=10) as (version, params):
+            got.append((version, params.clone()))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    shard.push(0, 0, torch.ones(5), 1)
+    assert not got
+    shard.push(1, 0, torch.ones(5), 1)
+    thread.join(10)
+    assert got and got[0][0] == 1 and torch.equal(got[0][1], shard.parameters()[1])
+
+
+def test_update_waits_for_readers_of_the_previous_version():
+    shard = make(workers=1)
+    with shard.read(0, 1) as (version, params):
+        seen = params.clone()
+        pusher = threading.Thread(target=shard.push, args=(0, 0, torch.ones(5), 1))
+        pusher.start()
+        pusher.join(0.2)
+        assert pusher.is_alive(), "the update must not run under a reader"
+        assert torch.equal(params, seen) and version == 0
+    pusher.join(10)
+    assert shard.version == 1
+
+
+def test_close_wakes_waiting_pulls():
+    shard = make()
+    errors = []
+
+    def reader():
+        try:
+            with shard.read(5, timeout_s=30):
+                pass
+        except NotReady as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    shard.close()
+    thread.join(10)
+    assert errors and not thread.is_alive()
+
+
+def test_constructor_validates():
+    with pytest.raises(InvalidArgument, match="1-D float32"):
+        ParameterShard(0, 0, 4, torch.zeros(5), SGD, LR, 1)
+    with pytest.raises(InvalidArgument, match="unsupported optimizer"):
+        ParameterShard(0, 0, 5, torch.zeros(5), pb.OptimizerSpec(name="lbfgs"), LR, 1)
+    with pytest.raises(InvalidArgument, match="at least one worker"):
+        ParameterShard(0, 0, 5, torch.zeros(5), SGD, LR, 0)
+
+
+def test_snapshot_counts_parameters_and_optimizer_state():
+    shard = make(ADAM, workers=1)
+    assert shard.snapshot().bytes_held == 5 * 4 * 2
+    shard.push(0, 0, torch.ones(5), 1)
+    snap = shard.snapshot()
+    assert snap.version == 1 and snap.bytes_held >= 5 * 4 * 4 and snap.optimizer == "adam"

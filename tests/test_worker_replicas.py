@@ -1,0 +1,122 @@
+"""Host aggregation on CPU "devices" standing in for the GPUs of one host."""
+
+import pytest
+import torch
+
+from protos import pstrain_pb2 as pb
+from protos.factories import ParamLayout
+from tests.helpers import bn_mlp, classification_set, odd_mlp
+from worker.data_feed import DataFeed
+from worker.devices import DeviceError, resolve_devices
+from worker.replicas import ReplicaSet
+
+
+def seeded(factory):
+    def build():
+        torch.manual_seed(0)
+        return factory()
+
+    return build
+
+
+def test_summed_gradient_equals_full_batch_gradient_times_devices():
+    layout = ParamLayout.of(odd_mlp())
+    replicas = ReplicaSet(seeded(odd_mlp), [torch.device("cpu")] * 3, layout)
+    x, y = classification_set(12).tensors
+    losses = replicas.forward_backward(list(x.chunk(3)), list(y.chunk(3)), torch.nn.functional.cross_entropy)
+    summed = replicas.sum_gradients()
+
+    reference = seeded(odd_mlp)()
+    full = torch.nn.functional.cross_entropy(reference(x), y)
+    full.backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(summed / 3, expected, rtol=1e-5, atol=1e-7)
+    assert sum(losses) / 3 == pytest.approx(full.item(), rel=1e-5)
+    # per-device gradients stay separate until the host sums them
+    assert not torch.equal(replicas.replicas[0].flat_grads, replicas.replicas[1].flat_grads)
+
+
+def test_gradients_do_not_accumulate_across_steps():
+    layout = ParamLayout.of(odd_mlp())
+    replicas = ReplicaSet(seeded(odd_mlp), [torch.device("cpu")] * 2, layout)
+    x, y = classification_set(8).tensors
+    loss = torch.nn.functional.cross_entropy
+    replicas.forward_backward(list(x.chunk(2)), list(y.chunk(2)), loss)
+    first = replicas.sum_gradients().clone()
+    replicas.forward_backward(list(x.chunk(2)), list(y.chunk(2)), loss)
+    assert torch.equal(replicas.sum_gradients(), first)
+
+
+def test_loading_parameters_updates_every_replica_model():
+    layout = ParamLayout.of(odd_mlp())
+    replicas = ReplicaSet(seeded(odd_mlp), [torch.device("cpu")] * 2, layout)
+    new = torch.linspace(-1, 1, layout.total)
+    replicas.host_params.copy_(new)
+    replicas.load_parameters()
+    for replica in replicas.replicas:
+        assert torch.equal(layout.flatten(replica.model), new)
+
+
+def test_buffers_come_from_the_first_replica():
+    layout = ParamLayout.of(bn_mlp())
+    replicas = ReplicaSet(seeded(bn_mlp), [torch.device("cpu")] * 2, layout)
+    replicas.train()
+    x, y = classification_set(8).tensors
+    replicas.forward_backward(list(x.chunk(2)), list(y.chunk(2)), torch.nn.functional.cross_entropy)
+    assert torch.equal(replicas.buffers()["1.running_mean"], replicas.replicas[0].model[1].running_mean)
+
+
+def test_device_resolution_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    assert resolve_devices([], 3) == [torch.device("cpu")] * 3
+    assert resolve_devices(["cpu", "cpu"], 9) == [torch.device("cpu")] * 2
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        resolve_devices(["cuda:0"], 1)
+    with pytest.raises(DeviceError, match="unsupported device"):
+        resolve_devices(["meta"], 1)
+    with pytest.raises(DeviceError, match="at least 1"):
+        resolve_devices([], 0)
+
+
+class ListSource:
+    def __init__(self, shards):
+        self.shards = list(shards)
+        self.completed = []
+
+    def request(self):
+        shard_id, indices = self.shards.pop(0)
+        return pb.DataShard(shard_id=shard_id, indices=indices)
+
+    def complete(self, shard_id):
+        self.completed.append(shard_id)
+
+
+def test_data_feed_spans_shards_and_reports_them_after_the_step():
+    source = ListSource([(0, [0, 1, 2]), (1, [3, 4, 5, 6]), (2, [7, 8])])
+    feed = DataFeed(classification_set(16), source)
+    assert feed.next_indices(2) == [0, 1]
+    feed.commit()
+    assert source.completed == []
+    assert feed.next_indices(4) == [2, 3, 4, 5]
+    assert source.completed == [], "nothing is done before the step that used it is pushed"
+    feed.commit()
+    assert source.completed == [0]
+    x, y = feed.next_batch(3)
+    assert x.shape == (3, 5) and y.shape == (3,)
+    feed.commit()
+    assert source.completed == [0, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replicas_sum_through_pinned_host_memory():
+    count = min(torch.cuda.device_count(), 2)
+    layout = ParamLayout.of(odd_mlp())
+    replicas = ReplicaSet(seeded(odd_mlp), [torch.device("cuda", i) for i in range(count)], layout)
+    assert replicas.host_grads.is_pinned() and replicas.host_params.is_pinned()
+    x, y = classification_set(4 * count).tensors
+    replicas.forward_backward(list(x.chunk(count)), list(y.chunk(count)), torch.nn.functional.cross_entropy)
+    reference = seeded(odd_mlp)()
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(replicas.sum_gradients() / count, expected, rtol=1e-4, atol=1e-6)
