@@ -59,7 +59,9 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pstrain", description="Distributed training with a sharded CPU parameter server.")
+    parser = argparse.ArgumentParser(
+        prog="pstrain", description="Distributed training with a sharded CPU parameter server."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     local = sub.add_parser("local", help="train a job on a cluster of processes on this machine")
     local.add_argument("--config", required=True, help="job file (YAML)")

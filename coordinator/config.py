@@ -94,7 +94,11 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         _require(self.per_device >= 1, "batch.per_device", f"must be at least 1, got {self.per_device}")
-        _require(self.lr_scaling in LR_SCALINGS, "batch.lr_scaling", f"{self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}")
+        _require(
+            self.lr_scaling in LR_SCALINGS,
+            "batch.lr_scaling",
+            f"{self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}",
+        )
         _require(self.warmup_steps >= 0, "batch.warmup_steps", f"must be non-negative, got {self.warmup_steps}")
 
 
@@ -221,7 +225,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             continue
         value, hint = raw[f.name], hints[f.name]
         if dataclasses.is_dataclass(hint):
-            values[f.name] = _build(hint, value if value is not None else {}, key)
+            values[f.name] = _build(typing.cast(type, hint), value if value is not None else {}, key)
             continue
         if not _type_ok(value, hint):
             raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")

@@ -157,7 +157,9 @@ class Job:
             if len(self._workers) >= self.plan.workers:
                 raise NoFreeSlot(f"all {self.plan.workers} worker slots of job {self.job_id} are taken")
             worker_id = len(self._workers)
-            self._workers[worker_id] = Member("worker", worker_id, address, self._clock(), ready=True, hostname=hostname)
+            self._workers[worker_id] = Member(
+                "worker", worker_id, address, self._clock(), ready=True, hostname=hostname
+            )
             log.info("worker %d registered from %s (%s)", worker_id, hostname, address)
             self._maybe_start()
             return worker_id
@@ -213,7 +215,9 @@ class Job:
             if report.step < completed:
                 return self._directive()  # a retried report of a step already recorded
             if report.step > completed:
-                raise WrongState(f"worker {report.worker_id} reported step {report.step} before step {completed} completed")
+                raise WrongState(
+                    f"worker {report.worker_id} reported step {report.step} before step {completed} completed"
+                )
             self._reports.setdefault(report.step, {})[report.worker_id] = report
             if len(self._reports[report.step]) == self.plan.workers:
                 self._complete_step(report.step)
@@ -336,9 +340,13 @@ class Job:
     def watch(self, from_step: int, active: Callable[[], bool]) -> Iterator[tuple[StepRecord | None, JobState, str]]:
         """Yield step records from ``from_step`` as they complete, then a final (None, state, message)."""
         sent = max(0, from_step)
+
+        def news() -> bool:
+            return len(self.records) > sent or self.state.over
+
         while active():
             with self._cond:
-                self._cond.wait_for(lambda: len(self.records) > sent or self.state.over, timeout=1.0)
+                self._cond.wait_for(news, timeout=1.0)
                 fresh = self.records[sent:]
                 state, message = self.state, self.message
             for record in fresh:
@@ -354,15 +362,18 @@ class Job:
             now = self._clock()
             members = [
                 pb.MemberStatus(
-                    role=m.role, id=m.id, address=m.address,
-                    alive=now - m.last_seen <= self._heartbeat_timeout_s, last_seen_s_ago=now - m.last_seen,
+                    role=m.role,
+                    id=m.id,
+                    address=m.address,
+                    alive=now - m.last_seen <= self._heartbeat_timeout_s,
+                    last_seen_s_ago=now - m.last_seen,
                 )
                 for m in (*self._ps.values(), *self._workers.values())
             ]
             step = len(self.records)
             return pb.JobStatus(
                 job_id=self.job_id,
-                state=int(self.state),
+                state=self.state.name,
                 step=step,
                 steps=self.plan.steps,
                 per_device_batch=self.plan.per_device_batch,

@@ -10,6 +10,7 @@ itself is killed (PR_SET_PDEATHSIG), so no process outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -108,11 +109,12 @@ class LocalCluster:
         while not port_file.exists():
             self._raise_if_dead()
             if time.monotonic() > deadline:
-                raise ClusterFailure(f"coordinator did not start within {self.start_timeout_s:.0f}s\n{coordinator.tail()}")
-            try:  # waits on the coordinator process itself, so its death is seen at once
+                raise ClusterFailure(
+                    f"coordinator did not start within {self.start_timeout_s:.0f}s\n{coordinator.tail()}"
+                )
+            # Waits on the coordinator process itself, so its death is seen at once.
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 coordinator.popen.wait(timeout=0.05)
-            except subprocess.TimeoutExpired:
-                pass
         self.coordinator_address = f"127.0.0.1:{int(port_file.read_text())}"
         common = ["--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0", "--grace-s", str(self.grace_s)]
         for shard_id in range(self.cfg.cluster.ps_shards):
@@ -142,10 +144,14 @@ class LocalCluster:
                         final.append(event)
                         return
                     bar.update(1)
-                    bar.set_postfix(loss=f"{event.loss:.4f}", lr=f"{event.lr:.3g}", samples_s=f"{event.samples_per_s:.0f}")
+                    bar.set_postfix(
+                        loss=f"{event.loss:.4f}", lr=f"{event.lr:.3g}", samples_s=f"{event.samples_per_s:.0f}"
+                    )
                     if bar.disable and (event.step + 1) % max(1, steps // 10) == 0:
-                        print(f"step {event.step + 1}/{steps} loss {event.loss:.4f} "
-                              f"{event.samples_per_s:.0f} samples/s", flush=True)
+                        print(
+                            f"step {event.step + 1}/{steps} loss {event.loss:.4f} {event.samples_per_s:.0f} samples/s",
+                            flush=True,
+                        )
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 watcher_error.append(exc)
 

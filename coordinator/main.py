@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stop = threading.Event()
     stop_on_signals(stop)
-    server = start_server(args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"])
+    server = start_server(
+        args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
+    )
     log.info("job %s on port %d: %s", job.job_id, server.port, job.plan.describe())
     server.set_serving(True)
     if args.port_file:

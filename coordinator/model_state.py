@@ -42,7 +42,9 @@ class ModelState:
         if flat.numel() != self.layout.total:
             raise ValueError(f"flat vector has {flat.numel()} elements, the model {self.layout.total}")
         with torch.no_grad():
-            for param, offset, shape in zip(self.model.parameters(), self.layout.offsets, self.layout.shapes):
+            for param, offset, shape in zip(
+                self.model.parameters(), self.layout.offsets, self.layout.shapes, strict=True
+            ):
                 param.copy_(flat[offset : offset + param.numel()].view(shape))
             own = dict(self.model.named_buffers())
             for name, value in buffers.items():

@@ -104,7 +104,7 @@ def job_spec(cfg: JobConfig, plan: Plan, layout: ParamLayout, job_id: str) -> pb
         seed=cfg.job.seed,
         ps_shards=cfg.cluster.ps_shards,
         total_params=layout.total,
-        params=[pb.ParamSpec(name=n, shape=s) for n, s in zip(layout.names, layout.shapes)],
+        params=[pb.ParamSpec(name=n, shape=s) for n, s in zip(layout.names, layout.shapes, strict=True)],
         chunk_bytes=cfg.transport.chunk_bytes,
         push_timeout_s=cfg.transport.push_timeout_s,
         pull_timeout_s=cfg.transport.pull_timeout_s,

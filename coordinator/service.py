@@ -28,7 +28,7 @@ DEFAULT_CLUSTER_WAIT_S = 600.0
 
 
 def _directive(d: Directive) -> pb.Directive:
-    return pb.Directive(stop=d.stop, state=int(d.state), reason=d.reason)
+    return pb.Directive(stop=d.stop, state=d.state.name, reason=d.reason)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -36,7 +36,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.job = job
 
     @translate
-    def RegisterParameterServer(self, request: pb.RegisterPsRequest, context: grpc.ServicerContext) -> pb.RegisterPsReply:
+    def RegisterParameterServer(
+        self, request: pb.RegisterPsRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterPsReply:
         r = self.job.register_ps(request.shard_id, request.address)
         return pb.RegisterPsReply(job=self.job.spec, start=r.start, end=r.end)
 
@@ -52,7 +54,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.Empty()
 
     @translate
-    def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.ServicerContext) -> pb.RegisterWorkerReply:
+    def RegisterWorker(
+        self, request: pb.RegisterWorkerRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterWorkerReply:
         worker_id = self.job.register_worker(request.address, list(request.devices), request.hostname)
         return pb.RegisterWorkerReply(worker_id=worker_id, job=self.job.spec)
 
@@ -60,7 +64,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WaitForCluster(self, request: pb.WaitForClusterRequest, context: grpc.ServicerContext) -> pb.ClusterView:
         remaining = context.time_remaining()
         addresses = self.job.wait_for_cluster(DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining)
-        return pb.ClusterView(ps_addresses=addresses, state=int(self.job.state))
+        return pb.ClusterView(ps_addresses=addresses, state=self.job.state.name)
 
     @translate
     def RequestDataShard(self, request: pb.DataShardRequest, context: grpc.ServicerContext) -> pb.DataShard:
@@ -86,10 +90,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return _directive(self.job.heartbeat(request.role, request.id))
 
     @translate
-    def WatchProgress(self, request: pb.WatchProgressRequest, context: grpc.ServicerContext) -> Iterator[pb.ProgressEvent]:
+    def WatchProgress(
+        self, request: pb.WatchProgressRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ProgressEvent]:
         for record, state, message in self.job.watch(request.from_step, context.is_active):
             if record is None:
-                yield pb.ProgressEvent(step=len(self.job.records), state=int(state), message=message)
+                yield pb.ProgressEvent(step=len(self.job.records), state=state.name, message=message)
             else:
                 yield pb.ProgressEvent(
                     step=record.step,
@@ -97,7 +103,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     lr=record.lr,
                     global_batch=record.global_batch,
                     samples_per_s=record.samples_per_s,
-                    state=int(state),
+                    state=state.name,
                     message=message,
                 )
 

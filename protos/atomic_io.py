@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import IO
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write`` on a temp file beside ``path``, fsync it, rename it over ``path``, fsync the dir."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

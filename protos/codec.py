@@ -21,7 +21,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in the f
 
 DEFAULT_CHUNK_BYTES = 512 * 1024
 
-TORCH_TO_WIRE: dict[torch.dtype, int] = {
+TORCH_TO_WIRE: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.FLOAT32,
     torch.float64: pb.FLOAT64,
     torch.float16: pb.FLOAT16,
@@ -40,7 +40,7 @@ class CodecError(ValueError):
     """A chunk stream that does not describe the tensor it claims to."""
 
 
-def wire_dtype(dtype: torch.dtype) -> int:
+def wire_dtype(dtype: torch.dtype) -> pb.DType:
     try:
         return TORCH_TO_WIRE[dtype]
     except KeyError:
@@ -81,7 +81,7 @@ def encode_chunks(
     tensor = tensor.contiguous()
     item = tensor.element_size()
     step = max(1, chunk_bytes // item) * item
-    raw = memoryview(_byte_view(tensor))
+    raw = _byte_view(tensor).data
     shape = list(tensor.shape)
     if len(raw) == 0:
         yield pb.TensorChunk(name=name, dtype=wire, shape=shape, offset=0, data=b"")

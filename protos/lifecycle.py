@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -39,5 +40,12 @@ def write_port_file(path: str | os.PathLike[str], port: int) -> None:
     os.replace(tmp, target)
 
 
-def advertised_address(host: str, port: int) -> str:
+def advertised_address(bind: str, port: int, host: str | None = None) -> str:
+    """The address peers should dial: ``host`` if given, else the bind host, else this machine's FQDN.
+
+    A wildcard bind (0.0.0.0, [::]) says nothing about how peers reach us, hence the FQDN.
+    """
+    if not host:
+        bound = bind.rsplit(":", 1)[0]
+        host = socket.getfqdn() if bound in ("", "0.0.0.0", "[::]", "::") else bound
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

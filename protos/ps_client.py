@@ -62,7 +62,10 @@ class PsClient:
         if flat.dtype != torch.float32 or flat.numel() != self.total:
             raise ValueError(f"push needs {self.total} float32 elements, got {flat.numel()} {flat.dtype}")
         return PushHandle(
-            [self._pool.submit(self._push_one, r, flat[r.start : r.end], worker_id, step, device_count) for r in self.ranges]
+            [
+                self._pool.submit(self._push_one, r, flat[r.start : r.end], worker_id, step, device_count)
+                for r in self.ranges
+            ]
         )
 
     def pull(self, min_version: int, out: torch.Tensor) -> int:
@@ -91,8 +94,12 @@ class PsClient:
         self, r: ShardRange, piece: torch.Tensor, worker_id: int, step: int, device_count: int
     ) -> pb.PushReply:
         header = pb.PushHeader(
-            shard_id=r.shard_id, worker_id=worker_id, step=step, device_count=device_count,
-            dtype=pb.FLOAT32, numel=r.numel,
+            shard_id=r.shard_id,
+            worker_id=worker_id,
+            step=step,
+            device_count=device_count,
+            dtype=pb.FLOAT32,
+            numel=r.numel,
         )
 
         def requests() -> Iterator[pb.PushRequest]:

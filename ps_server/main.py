@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
     p.add_argument("--shard-id", type=int, required=True, help="which shard of the job this process serves")
     p.add_argument("--bind", default="0.0.0.0:0", help="address to listen on (port 0 picks a free port)")
-    p.add_argument("--advertise-host", default="127.0.0.1", help="host name other members use to reach this shard")
+    p.add_argument("--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--connect-timeout-s", type=float, default=120.0)
     p.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period")
@@ -49,9 +49,9 @@ def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> T
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
-    servicer = ParameterServerServicer(chunk_bytes=512 * 1024)
+    servicer = ParameterServerServicer()
     server = start_server(args.bind, [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
-    address = advertised_address(args.advertise_host, server.port)
+    address = advertised_address(args.bind, server.port, args.advertise_host)
     log.info("shard %d listening on %s", args.shard_id, address)
     channel = open_channel(args.coordinator)
     shard: ParameterShard | None = None

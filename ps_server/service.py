@@ -47,10 +47,10 @@ class _StagingPool:
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, chunk_bytes: int) -> None:
+    def __init__(self) -> None:
         self._shard: ParameterShard | None = None
         self._pool: _StagingPool | None = None
-        self._chunk_bytes = chunk_bytes
+        self._chunk_bytes = 0
 
     def attach(self, shard: ParameterShard, chunk_bytes: int) -> None:
         """Called once the shard holds its initial parameters; until then RPCs are UNAVAILABLE."""

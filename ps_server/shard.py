@@ -109,7 +109,9 @@ class ParameterShard:
         if not 0 <= worker_id < self.workers:
             raise UnknownWorker(f"unknown worker {worker_id}: this job has workers 0..{self.workers - 1}")
         if dtype != pb.FLOAT32:
-            raise InvalidArgument(f"gradients must be FLOAT32, got {pb.DType.Name(dtype) if dtype in pb.DType.values() else dtype}")
+            raise InvalidArgument(
+                f"gradients must be FLOAT32, got {pb.DType.Name(dtype) if dtype in pb.DType.values() else dtype}"
+            )
         if numel != self.numel:
             raise InvalidArgument(
                 f"shard {self.shard_id} owns {self.numel} elements [{self.start}, {self.end}), push has {numel}"
@@ -130,7 +132,10 @@ class ParameterShard:
             # Re-check under the lock: the shard may have moved on while the payload streamed.
             if duplicate or self._classify_step(worker_id, step):
                 return PushResult(self._version, duplicate=True, completed=False)
-            self._accum.add_(grad)
+            if self._pending:
+                self._accum.add_(grad)
+            else:
+                self._accum.copy_(grad)  # the first contribution of a step: no separate zeroing pass
             self._pending[worker_id] = device_count
             self._last_step[worker_id] = step
             if len(self._pending) < self.workers:
@@ -165,7 +170,6 @@ class ParameterShard:
                 group["lr"] = learning_rate(self._schedule, self._version)
             self._optimizer.step()
             self._param.grad = None
-            self._accum.zero_()
             self._pending.clear()
             self._version += 1
         finally:
@@ -230,6 +234,12 @@ class ParameterShard:
             )
             held = (self._param.numel() + self._accum.numel()) * 4 + state_bytes
             return ShardSnapshot(
-                self.shard_id, self.start, self.end, self._version, len(self._pending), self.workers, held,
+                self.shard_id,
+                self.start,
+                self.end,
+                self._version,
+                len(self._pending),
+                self.workers,
+                held,
                 self._optimizer_name,
             )

@@ -36,28 +36,31 @@ def test_device_list():
     assert cfg.cluster.device_count == 3 and cfg.cluster.device_list == ["cuda:0", "cuda:1", "cuda:3"]
 
 
-@pytest.mark.parametrize("raw, match", [
-    (with_("optimizer", lr=-1), r"optimizer\.lr: must be positive"),
-    (with_("optimizer", name="rmsprop"), r"optimizer\.name: 'rmsprop' is not one of sgd, adam, adamw"),
-    (with_("optimizer", lrr=0.1), r"optimizer\.lrr: unknown key; known keys here are"),
-    (with_("optimizer", lr="fast"), r"optimizer\.lr: expected float, got 'fast'"),
-    (with_("optimizer", nesterov=True), r"optimizer\.nesterov: needs momentum > 0"),
-    (with_("optimizer", betas=[0.9]), r"optimizer\.betas"),
-    (with_("batch", per_device=0), r"batch\.per_device: must be at least 1"),
-    (with_("batch", per_device=True), r"batch\.per_device: expected int, got True"),
-    (with_("batch", lr_scaling="cubic"), r"batch\.lr_scaling: 'cubic' is not one of"),
-    (with_("cluster", devices_per_worker=[]), r"cluster\.devices_per_worker: the device list is empty"),
-    (with_("cluster", ps_shards=0), r"cluster\.ps_shards: must be at least 1"),
-    (with_("job", steps=0), r"job\.steps: must be at least 1"),
-    (with_("data", shard_size=0), r"data\.shard_size"),
-    (with_("transport", heartbeat_s=10, heartbeat_timeout_s=5), r"transport\.heartbeat_timeout_s"),
-    (with_("transport", chunk_bytes=10), r"transport\.chunk_bytes"),
-    ({"data": {"factory": "d:f"}}, r"model: required key is missing"),
-    ({**MINIMAL, "modle": {}}, r"modle: unknown key"),
-    ({"model": {"factory": "no_colon"}, "data": {"factory": "d:f"}}, r"model\.factory: 'no_colon' must look like"),
-    ({**MINIMAL, "optimizer": [1, 2]}, r"optimizer: must be a mapping"),
-    ([1, 2], r"the job file: must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (with_("optimizer", lr=-1), r"optimizer\.lr: must be positive"),
+        (with_("optimizer", name="rmsprop"), r"optimizer\.name: 'rmsprop' is not one of sgd, adam, adamw"),
+        (with_("optimizer", lrr=0.1), r"optimizer\.lrr: unknown key; known keys here are"),
+        (with_("optimizer", lr="fast"), r"optimizer\.lr: expected float, got 'fast'"),
+        (with_("optimizer", nesterov=True), r"optimizer\.nesterov: needs momentum > 0"),
+        (with_("optimizer", betas=[0.9]), r"optimizer\.betas"),
+        (with_("batch", per_device=0), r"batch\.per_device: must be at least 1"),
+        (with_("batch", per_device=True), r"batch\.per_device: expected int, got True"),
+        (with_("batch", lr_scaling="cubic"), r"batch\.lr_scaling: 'cubic' is not one of"),
+        (with_("cluster", devices_per_worker=[]), r"cluster\.devices_per_worker: the device list is empty"),
+        (with_("cluster", ps_shards=0), r"cluster\.ps_shards: must be at least 1"),
+        (with_("job", steps=0), r"job\.steps: must be at least 1"),
+        (with_("data", shard_size=0), r"data\.shard_size"),
+        (with_("transport", heartbeat_s=10, heartbeat_timeout_s=5), r"transport\.heartbeat_timeout_s"),
+        (with_("transport", chunk_bytes=10), r"transport\.chunk_bytes"),
+        ({"data": {"factory": "d:f"}}, r"model: required key is missing"),
+        ({**MINIMAL, "modle": {}}, r"modle: unknown key"),
+        ({"model": {"factory": "no_colon"}, "data": {"factory": "d:f"}}, r"model\.factory: 'no_colon' must look like"),
+        ({**MINIMAL, "optimizer": [1, 2]}, r"optimizer: must be a mapping"),
+        ([1, 2], r"the job file: must be a mapping"),
+    ],
+)
 def test_bad_config_names_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(raw)

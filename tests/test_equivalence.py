@@ -12,7 +12,16 @@ import uuid
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT, child_env, classification_set, odd_mlp, pids_with_marker, run_local, wait_for, write_job
+from tests.helpers import (
+    REPO_ROOT,
+    child_env,
+    classification_set,
+    odd_mlp,
+    pids_with_marker,
+    run_local,
+    wait_for,
+    write_job,
+)
 
 STEPS = 6
 WORKERS, DEVICES, SHARDS, PER_DEVICE = 2, 2, 3, 4
@@ -77,36 +86,36 @@ def test_adam_with_services_started_by_hand(tmp_path):
         {"per_device": PER_DEVICE, "lr_scaling": "sqrt"},
     )
     marker = uuid.uuid4().hex
-    env = child_env(marker)
     port_file = tmp_path / "coordinator.port"
-    logs = open(tmp_path / "services.log", "wb")
-    py = sys.executable
-    procs = [subprocess.Popen(
-        [py, "-m", "coordinator", "--config", str(job), "--bind", "127.0.0.1:0", "--out", str(tmp_path / "out"),
-         "--port-file", str(port_file)],
-        cwd=REPO_ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT,
-    )]
-    try:
-        wait_for(port_file.exists, 60, "the coordinator's port file")
-        address = f"127.0.0.1:{int(port_file.read_text())}"
-        for shard in range(SHARDS):
-            procs.append(subprocess.Popen(
-                [py, "-m", "ps_server", "--coordinator", address, "--shard-id", str(shard), "--bind", "127.0.0.1:0"],
-                cwd=REPO_ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT,
-            ))
-        for _ in range(WORKERS):
-            procs.append(subprocess.Popen(
-                [py, "-m", "worker", "--coordinator", address, "--bind", "127.0.0.1:0", "--devices", "cpu,cpu"],
-                cwd=REPO_ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT,
-            ))
-        codes = [p.wait(timeout=180) for p in procs]
-        assert codes == [0] * len(procs), (tmp_path / "services.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        logs.close()
+    procs: list[subprocess.Popen] = []
+    with open(tmp_path / "services.log", "wb") as logs:
+
+        def spawn(*args: str) -> None:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", *args, "--bind", "127.0.0.1:0"],
+                    cwd=REPO_ROOT,
+                    env=child_env(marker),
+                    stdout=logs,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+
+        try:
+            spawn("coordinator", "--config", str(job), "--out", str(tmp_path / "out"), "--port-file", str(port_file))
+            wait_for(port_file.exists, 60, "the coordinator's port file")
+            address = f"127.0.0.1:{int(port_file.read_text())}"
+            for shard in range(SHARDS):
+                spawn("ps_server", "--coordinator", address, "--shard-id", str(shard))
+            for _ in range(WORKERS):
+                spawn("worker", "--coordinator", address, "--devices", "cpu,cpu")
+            codes = [p.wait(timeout=180) for p in procs]
+            assert codes == [0] * len(procs), (tmp_path / "services.log").read_text()[-3000:]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     scaled = 0.01 * (WORKERS * DEVICES) ** 0.5
     expected = reference(torch.optim.Adam, lambda s: scaled, betas=(0.9, 0.99), weight_decay=0.001)
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)

@@ -21,7 +21,11 @@ def metrics_lines(out: Path) -> int:
 def start_local(job: Path, out: Path, marker: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out)],
-        cwd=REPO_ROOT, env=child_env(marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT,
+        env=child_env(marker),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -25,8 +25,10 @@ def cluster():
     initial = torch.linspace(-1, 1, TOTAL)
     servers, shards = [], []
     for r in shard_ranges(TOTAL, 2):
-        servicer = ParameterServerServicer(chunk_bytes=8)  # tiny chunks: many per stream
-        server = start_server("127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
+        servicer = ParameterServerServicer()  # tiny chunks: many per stream
+        server = start_server(
+            "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
+        )
         shard = ParameterShard(r.shard_id, r.start, r.end, initial[r.start : r.end].clone(), SGD, LR, workers=2)
         servicer.attach(shard, 8)
         server.set_serving(True)
@@ -71,18 +73,29 @@ def header(**overrides):
     return pb.PushHeader(**fields)
 
 
-@pytest.mark.parametrize("hdr, chunks, code, match", [
-    (header(numel=5), list(encode_chunks(torch.ones(5))), grpc.StatusCode.INVALID_ARGUMENT, "owns 6 elements"),
-    (header(dtype=pb.FLOAT64), list(encode_chunks(torch.ones(6, dtype=torch.float64))),
-     grpc.StatusCode.INVALID_ARGUMENT, "FLOAT32"),
-    (header(shard_id=1), list(encode_chunks(torch.ones(6))), grpc.StatusCode.INVALID_ARGUMENT, "reached shard 0"),
-    (header(worker_id=9), list(encode_chunks(torch.ones(6))), grpc.StatusCode.NOT_FOUND, "unknown worker 9"),
-    (header(step=3), list(encode_chunks(torch.ones(6))), grpc.StatusCode.FAILED_PRECONDITION, "ahead"),
-    (None, list(encode_chunks(torch.ones(6))), grpc.StatusCode.INVALID_ARGUMENT, "must start with a PushHeader"),
-    (header(), list(encode_chunks(torch.ones(4))), grpc.StatusCode.INVALID_ARGUMENT, "ended after 4 of 6"),
-    (header(), list(encode_chunks(torch.ones(6, dtype=torch.float64))), grpc.StatusCode.INVALID_ARGUMENT,
-     "does not match"),
-])
+@pytest.mark.parametrize(
+    "hdr, chunks, code, match",
+    [
+        (header(numel=5), list(encode_chunks(torch.ones(5))), grpc.StatusCode.INVALID_ARGUMENT, "owns 6 elements"),
+        (
+            header(dtype=pb.FLOAT64),
+            list(encode_chunks(torch.ones(6, dtype=torch.float64))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "FLOAT32",
+        ),
+        (header(shard_id=1), list(encode_chunks(torch.ones(6))), grpc.StatusCode.INVALID_ARGUMENT, "reached shard 0"),
+        (header(worker_id=9), list(encode_chunks(torch.ones(6))), grpc.StatusCode.NOT_FOUND, "unknown worker 9"),
+        (header(step=3), list(encode_chunks(torch.ones(6))), grpc.StatusCode.FAILED_PRECONDITION, "ahead"),
+        (None, list(encode_chunks(torch.ones(6))), grpc.StatusCode.INVALID_ARGUMENT, "must start with a PushHeader"),
+        (header(), list(encode_chunks(torch.ones(4))), grpc.StatusCode.INVALID_ARGUMENT, "ended after 4 of 6"),
+        (
+            header(),
+            list(encode_chunks(torch.ones(6, dtype=torch.float64))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "does not match",
+        ),
+    ],
+)
 def test_bad_pushes_get_the_right_status_and_change_nothing(cluster, hdr, chunks, code, match):
     addresses, shards, _, _ = cluster
     before = shards[0].parameters()
@@ -131,8 +144,10 @@ def test_status_and_health(cluster):
 
 
 def test_unattached_shard_is_unavailable():
-    servicer = ParameterServerServicer(chunk_bytes=1024)
-    server = start_server("127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
+    servicer = ParameterServerServicer()
+    server = start_server(
+        "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
+    )
     try:
         with open_channel(f"127.0.0.1:{server.port}") as channel:
             with pytest.raises(grpc.RpcError) as err:

@@ -26,17 +26,26 @@ def state(shard):
 
 def assert_same_state(a, b):
     assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3] == b[3]
-    assert len(a[4]) == len(b[4]) and all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+    assert len(a[4]) == len(b[4]) and all(torch.equal(x, y) for x, y in zip(a[4], b[4], strict=True))
 
 
-@pytest.mark.parametrize("spec, cls, kwargs", [
-    (SGD, torch.optim.SGD, {"momentum": 0.9}),
-    (ADAM, torch.optim.Adam, {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}),
-    (pb.OptimizerSpec(name="adamw", beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1), torch.optim.AdamW,
-     {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
-    (pb.OptimizerSpec(name="sgd", momentum=0.5, nesterov=True, weight_decay=0.01), torch.optim.SGD,
-     {"momentum": 0.5, "nesterov": True, "weight_decay": 0.01}),
-])
+@pytest.mark.parametrize(
+    "spec, cls, kwargs",
+    [
+        (SGD, torch.optim.SGD, {"momentum": 0.9}),
+        (ADAM, torch.optim.Adam, {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}),
+        (
+            pb.OptimizerSpec(name="adamw", beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1),
+            torch.optim.AdamW,
+            {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        ),
+        (
+            pb.OptimizerSpec(name="sgd", momentum=0.5, nesterov=True, weight_decay=0.01),
+            torch.optim.SGD,
+            {"momentum": 0.5, "nesterov": True, "weight_decay": 0.01},
+        ),
+    ],
+)
 def test_update_matches_torch_optim_on_the_device_mean(spec, cls, kwargs):
     shard = make(spec)
     ref = torch.nn.Parameter(torch.arange(5, dtype=torch.float32))
@@ -82,15 +91,18 @@ def run_to_version(shard, version):
             shard.push(worker, step, torch.ones(shard.numel), 1)
 
 
-@pytest.mark.parametrize("bad, error, match", [
-    (dict(step=0), StepConflict, "stale push"),
-    (dict(step=5), StepConflict, "ahead of the shard"),
-    (dict(worker=7), UnknownWorker, "unknown worker 7"),
-    (dict(worker=-1), UnknownWorker, "unknown worker"),
-    (dict(grad=torch.ones(4)), InvalidArgument, "owns 5 elements"),
-    (dict(grad=torch.ones(5, dtype=torch.float64)), InvalidArgument, "FLOAT32|float32"),
-    (dict(devices=0), InvalidArgument, "device_count"),
-])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (dict(step=0), StepConflict, "stale push"),
+        (dict(step=5), StepConflict, "ahead of the shard"),
+        (dict(worker=7), UnknownWorker, "unknown worker 7"),
+        (dict(worker=-1), UnknownWorker, "unknown worker"),
+        (dict(grad=torch.ones(4)), InvalidArgument, "owns 5 elements"),
+        (dict(grad=torch.ones(5, dtype=torch.float64)), InvalidArgument, "FLOAT32|float32"),
+        (dict(devices=0), InvalidArgument, "device_count"),
+    ],
+)
 def test_rejected_pushes_leave_the_shard_unchanged(bad, error, match):
     shard = make()
     run_to_version(shard, 2)
@@ -112,9 +124,8 @@ def test_header_checks_name_the_problem():
 
 def test_pull_waits_for_the_version_and_times_out_otherwise():
     shard = make()
-    with pytest.raises(WaitTimeout, match="version 1 did not appear"):
-        with shard.read(1, timeout_s=0.05):
-            pass
+    with pytest.raises(WaitTimeout, match="version 1 did not appear"), shard.read(1, timeout_s=0.05):
+        pass
     got = []
 
     def reader():

@@ -9,7 +9,7 @@ def test_ranges_are_contiguous_cover_everything_and_differ_by_at_most_one(total,
     ranges = shard_ranges(total, shards)
     assert [r.shard_id for r in ranges] == list(range(shards))
     assert ranges[0].start == 0 and ranges[-1].end == total
-    for a, b in zip(ranges, ranges[1:]):
+    for a, b in zip(ranges, ranges[1:], strict=False):
         assert a.end == b.start
     sizes = [r.numel for r in ranges]
     assert sum(sizes) == total and max(sizes) - min(sizes) <= 1

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
     p.add_argument("--devices", default="", help="comma-separated devices (cuda:0,cuda:1); default from the job")
     p.add_argument("--bind", default="0.0.0.0:0", help="status endpoint address (port 0 picks a free port)")
-    p.add_argument("--advertise-host", default="127.0.0.1")
+    p.add_argument("--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)")
     p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--connect-timeout-s", type=float, default=120.0)
     p.add_argument("--cluster-timeout-s", type=float, default=600.0, help="how long to wait for every PS shard")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     stop_on_signals(stop)
     servicer = WorkerServicer(devices=[])
     server = start_server(args.bind, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"])
-    address = advertised_address(args.advertise_host, server.port)
+    address = advertised_address(args.bind, server.port, args.advertise_host)
     channel = open_channel(args.coordinator)
     heartbeat_stop = threading.Event()
     aborted = threading.Event()
@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
         log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
         threading.Thread(
-            target=link.heartbeat_until, args=(heartbeat_stop, job.heartbeat_s, aborted, stop), daemon=True,
+            target=link.heartbeat_until,
+            args=(heartbeat_stop, job.heartbeat_s, aborted, stop),
+            daemon=True,
             name="heartbeat",
         ).start()
         cluster = link.wait_for_cluster(args.cluster_timeout_s)
@@ -106,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
             raise FactoryError("this host's model factory builds a different model than the coordinator's")
         replicas = ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout)
-        ps = PsClient(list(cluster.ps_addresses), job.total_params, job.chunk_bytes, job.push_timeout_s, job.pull_timeout_s)
+        ps = PsClient(
+            list(cluster.ps_addresses), job.total_params, job.chunk_bytes, job.push_timeout_s, job.pull_timeout_s
+        )
         feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
         trainer = Trainer(reply.worker_id, job, replicas, ps, feed, resolve_loss(job.loss), link, stop)
         servicer.progress = trainer.progress

@@ -33,17 +33,15 @@ class Replica:
         params = list(model.parameters())
         if len(params) != len(layout.names):
             raise ValueError(f"model has {len(params)} parameters, the job's layout {len(layout.names)}")
-        for param, offset, shape in zip(params, layout.offsets, layout.shapes):
+        for param, offset, shape in zip(params, layout.offsets, layout.shapes, strict=True):
             if tuple(param.shape) != shape:
                 raise ValueError(f"parameter shape {tuple(param.shape)} does not match the job's {shape}")
             n = param.numel()
             flat_params[offset : offset + n].copy_(param.detach().reshape(-1))
             param.data = flat_params[offset : offset + n].view(shape)
             param.grad = flat_grads[offset : offset + n].view(shape)
-        if device.type == "cpu":
-            staging = flat_grads
-        else:
-            staging = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin)
+        pinned = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin) if device.type != "cpu" else None
+        staging = flat_grads if pinned is None else pinned
         return cls(device, model, flat_params, flat_grads, staging)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
@@ -92,14 +90,13 @@ class ReplicaSet:
         for r in self.replicas:
             r.model.train(mode)
 
-    def forward_backward(
-        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn
-    ) -> list[float]:
+    def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn) -> list[float]:
         """Run every device on its slice at once (one thread each; torch releases the GIL)."""
         if len(inputs) != len(self.replicas) or len(targets) != len(self.replicas):
             raise ValueError(f"need one input slice per device ({len(self.replicas)})")
         futures = [
-            self._pool.submit(r.forward_backward, x, y, loss_fn) for r, x, y in zip(self.replicas, inputs, targets)
+            self._pool.submit(r.forward_backward, x, y, loss_fn)
+            for r, x, y in zip(self.replicas, inputs, targets, strict=True)
         ]
         losses = [f.result() for f in futures]
         self._synchronize()

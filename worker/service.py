@@ -18,5 +18,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def GetWorkerStatus(self, request: pb.WorkerStatusRequest, context: grpc.ServicerContext) -> pb.WorkerStatus:
         p = self.progress
         return pb.WorkerStatus(
-            worker_id=max(self.worker_id, 0), devices=self.devices, step=p.step, last_step_s=p.last_step_s, state=p.state
+            worker_id=max(self.worker_id, 0),
+            devices=self.devices,
+            step=p.step,
+            last_step_s=p.last_step_s,
+            state=p.state,
         )

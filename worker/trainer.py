@@ -97,4 +97,3 @@ class Trainer:
                 step_s=elapsed,
             )
         )
-

@@ -1,0 +1,232 @@
+"""Push+pull throughput of the parameter server vs. raw TCP and a gloo all-reduce, same run.
+
+For a flat model of ``--params`` float32 parameters and one worker, a step is: push the
+gradient to every shard (each shard then runs its SGD update) and pull the new parameters
+back. Throughput = 2 x model bytes / step time. In the same run the script measures:
+
+* raw TCP: the same bytes sent to another process over loopback and sent back (the bound);
+* gloo: ``torch.distributed.all_reduce`` of the same tensor between 2 processes (what users
+  would otherwise pick; its "throughput" uses the same 2 x bytes / time definition).
+
+PS shards run in their own processes, as in production. Results go to
+``bench/results/pushpull.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from protos import pstrain_pb2 as pb  # noqa: E402
+from protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
+from protos.ps_client import PsClient  # noqa: E402
+from protos.shard_map import shard_ranges  # noqa: E402
+from protos.transport import start_server  # noqa: E402
+from ps_server.service import ParameterServerServicer  # noqa: E402
+from ps_server.shard import ParameterShard  # noqa: E402
+
+MB = 1e6
+
+
+def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, conn) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    r = shard_ranges(total, shards)[shard_id]
+    servicer = ParameterServerServicer()
+    server = start_server(
+        "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
+    )
+    shard = ParameterShard(
+        shard_id, r.start, r.end, torch.zeros(r.numel), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=0.01), 1
+    )
+    servicer.attach(shard, chunk_bytes)
+    conn.send(server.port)
+    conn.recv()  # block until the parent says stop
+    server.stop(0)
+
+
+def time_pushpull(total: int, shards: int, chunk_bytes: int, steps: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for shard_id in range(shards):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=serve_shard, args=(shard_id, total, shards, chunk_bytes, child), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        addresses = [f"127.0.0.1:{p.recv()}" for p in pipes]
+        client = PsClient(addresses, total, chunk_bytes=chunk_bytes, push_timeout_s=600, pull_timeout_s=600)
+        grads = torch.randn(total)
+        params = torch.empty(total)
+        times = []
+        for step in range(steps + 2):  # two warm-up steps
+            started = time.perf_counter()
+            client.push(grads, 0, step, 1).wait()
+            client.pull(step + 1, params)
+            if step >= 2:
+                times.append(time.perf_counter() - started)
+        client.close()
+        return times
+    finally:
+        for pipe in pipes:
+            pipe.send("stop")
+        for proc in procs:
+            proc.join(30)
+
+
+def echo_server(conn, nbytes: int) -> None:  # type: ignore[no-untyped-def]
+    listener = socket.create_server(("127.0.0.1", 0))
+    conn.send(listener.getsockname()[1])
+    sock, _ = listener.accept()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    while True:
+        got = 0
+        while got < nbytes:
+            n = sock.recv_into(view[got:], nbytes - got)
+            if n == 0:
+                return
+            got += n
+        sock.sendall(view)
+
+
+def time_raw_tcp(nbytes: int, rounds: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=echo_server, args=(child, nbytes), daemon=True)
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", parent.recv()))
+    payload = memoryview(bytearray(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy().tobytes()))
+    back = memoryview(bytearray(nbytes))
+    times = []
+    for i in range(rounds + 1):
+        started = time.perf_counter()
+        sock.sendall(payload)
+        got = 0
+        while got < nbytes:
+            got += sock.recv_into(back[got:], nbytes - got)
+        if i:
+            times.append(time.perf_counter() - started)
+    sock.close()
+    proc.join(30)
+    return times
+
+
+def gloo_worker(rank: int, port: int, total: int, rounds: int, out) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tensor = torch.randn(total)
+    times = []
+    for i in range(rounds + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        if i:
+            times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.send(times)
+
+
+def time_gloo(total: int, rounds: int) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    procs = [ctx.Process(target=gloo_worker, args=(r, port, total, rounds, child)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = parent.recv()
+    for p in procs:
+        p.join(60)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", type=int, default=25_000_000)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--chunk-kib", default="256,512,1024,4096", help="chunk sizes to sweep for S=1")
+    parser.add_argument("--default-chunk-kib", type=int, default=512)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pushpull.md"))
+    args = parser.parse_args()
+
+    nbytes = args.params * 4
+    moved = 2 * nbytes
+    rows: list[tuple[str, float, float]] = []  # name, median s, MB/s
+
+    def record(name: str, times: list[float]) -> float:
+        med = statistics.median(times)
+        rows.append((name, med, moved / med / MB))
+        print(f"{name:<40} {med * 1e3:9.1f} ms  {moved / med / MB:9.1f} MB/s", flush=True)
+        return moved / med
+
+    tcp = record("raw TCP loopback (send + receive)", time_raw_tcp(nbytes, args.steps))
+    gloo = record("gloo all_reduce, 2 processes", time_gloo(args.params, args.steps))
+    sweep = {}
+    for kib in [int(k) for k in args.chunk_kib.split(",")]:
+        sweep[kib] = record(
+            f"pstrain push+pull S=1, chunk {kib} KiB", time_pushpull(args.params, 1, kib * 1024, args.steps)
+        )
+    default = args.default_chunk_kib
+    s1 = sweep.get(default) or record(
+        f"pstrain push+pull S=1, chunk {default} KiB", time_pushpull(args.params, 1, default * 1024, args.steps)
+    )
+    s2 = record(
+        f"pstrain push+pull S=2, chunk {default} KiB", time_pushpull(args.params, 2, default * 1024, args.steps)
+    )
+
+    ratios = [
+        ("pstrain S=1 / raw TCP", s1 / tcp),
+        ("pstrain S=2 / raw TCP", s2 / tcp),
+        ("pstrain S=1 / gloo all_reduce", s1 / gloo),
+        ("pstrain S=2 / gloo all_reduce", s2 / gloo),
+    ]
+    print()
+    for name, ratio in ratios:
+        print(f"{name:<40} {ratio:6.2f}x")
+
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Push+pull throughput (bench/pushpull.py)",
+        "",
+        f"Run {when} on {platform.machine()} with {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, grpcio {grpc.__version__}. Model: {args.params:,} float32 parameters "
+        f"({nbytes / MB:.0f} MB), one worker, {args.steps} timed steps after 2 warm-up steps (median). "
+        "Throughput = 2 x model bytes / step time. PS shards and peers run in separate processes on loopback; "
+        "every pstrain step includes the shard's SGD update.",
+        "",
+        "| what | median time per step | throughput |",
+        "|---|---:|---:|",
+        *[f"| {name} | {med * 1e3:.1f} ms | {mbs:.0f} MB/s |" for name, med, mbs in rows],
+        "",
+        "| ratio | value |",
+        "|---|---:|",
+        *[f"| {name} | {ratio:.2f} |" for name, ratio in ratios],
+        "",
+    ]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
