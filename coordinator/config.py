@@ -161,6 +161,36 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Paths ``pstrain local`` passes to every process it starts (standalone services take flags)."""
+
+    tls_ca: str | None = None
+    """CA certificate (PEM); with it, every channel is mutual TLS."""
+    tls_cert: str | None = None
+    """Certificate (PEM) each process presents, as server and as client."""
+    tls_key: str | None = None
+    token_file: str | None = None
+    """File holding the shared bearer token every RPC but health must carry."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("tls_ca", "tls_cert", "tls_key") if getattr(self, k)]
+        _require(
+            len(given) in (0, 3),
+            "security.tls_ca",
+            "tls_ca, tls_cert and tls_key go together; "
+            f"missing {', '.join(k for k in ('tls_ca', 'tls_cert', 'tls_key') if k not in given)}",
+        )
+        for key in ("tls_ca", "tls_cert", "tls_key", "token_file"):
+            path = getattr(self, key)
+            _require(path is None or Path(path).is_file(), f"security.{key}", f"no such file {path}")
+
+    def flags(self) -> list[str]:
+        pairs = [("--tls-ca", self.tls_ca), ("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)]
+        pairs.append(("--token-file", self.token_file))
+        return [item for flag, value in pairs if value for item in (flag, str(Path(value).resolve()))]
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     factory: str | None = None
     """``pkg.module:callable(model) -> dict`` run by ``pstrain local`` on the trained model."""
@@ -177,6 +207,7 @@ class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def with_steps(self, steps: int) -> JobConfig:

@@ -58,6 +58,7 @@ class Member:
     ready: bool = False
     done: bool = False  # a worker past its last step, a PS told to stop
     hostname: str = ""
+    metrics_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Job:
         self.ranges: list[ShardRange] = shard_ranges(spec.total_params, spec.ps_shards)
         self.state = JobState.WAITING
         self.message = "waiting for members"
+        self.metrics_address = ""  # set by the process that serves the job
         self._ps: dict[int, Member] = {}
         self._workers: dict[int, Member] = {}
         self._reports: dict[int, dict[int, pb.StepReport]] = {}
@@ -118,7 +120,7 @@ class Job:
 
     # ------------------------------------------------------------------ membership
 
-    def register_ps(self, shard_id: int, address: str) -> ShardRange:
+    def register_ps(self, shard_id: int, address: str, metrics_address: str = "") -> ShardRange:
         with self._cond:
             self._check_not_over()
             if not 0 <= shard_id < len(self.ranges):
@@ -126,7 +128,7 @@ class Job:
             existing = self._ps.get(shard_id)
             if existing and existing.address != address and self._alive(existing):
                 raise AlreadyRegistered(f"shard {shard_id} is already served by {existing.address}")
-            self._ps[shard_id] = Member("ps", shard_id, address, self._clock())
+            self._ps[shard_id] = Member("ps", shard_id, address, self._clock(), metrics_address=metrics_address)
             log.info("PS shard %d registered at %s", shard_id, address)
             return self.ranges[shard_id]
 
@@ -146,7 +148,7 @@ class Job:
             member.last_seen = self._clock()
             self._maybe_start()
 
-    def register_worker(self, address: str, devices: list[str], hostname: str) -> int:
+    def register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str = "") -> int:
         with self._cond:
             self._check_not_over()
             if devices and len(devices) != self.plan.devices_per_worker:
@@ -158,7 +160,13 @@ class Job:
                 raise NoFreeSlot(f"all {self.plan.workers} worker slots of job {self.job_id} are taken")
             worker_id = len(self._workers)
             self._workers[worker_id] = Member(
-                "worker", worker_id, address, self._clock(), ready=True, hostname=hostname
+                "worker",
+                worker_id,
+                address,
+                self._clock(),
+                ready=True,
+                hostname=hostname,
+                metrics_address=metrics_address,
             )
             log.info("worker %d registered from %s (%s)", worker_id, hostname, address)
             self._maybe_start()
@@ -313,6 +321,11 @@ class Job:
                     self.fail(f"{member.role} {member.id} at {member.address} silent for {now - member.last_seen:.0f}s")
                     return
 
+    def alive_count(self, role: str) -> int:
+        with self._cond:
+            members = self._ps if role == "ps" else self._workers
+            return sum(1 for m in members.values() if self._alive(m))
+
     def fail(self, reason: str) -> None:
         with self._cond:
             if self.state.over:
@@ -367,6 +380,7 @@ class Job:
                     address=m.address,
                     alive=now - m.last_seen <= self._heartbeat_timeout_s,
                     last_seen_s_ago=now - m.last_seen,
+                    metrics_address=m.metrics_address,
                 )
                 for m in (*self._ps.values(), *self._workers.values())
             ]
@@ -384,6 +398,8 @@ class Job:
                 data_shards_doing=counts.doing,
                 data_shards_done=counts.done,
                 message=self.message,
+                metrics_address=self.metrics_address,
+                global_lr=self.plan.scaled_lr,
             )
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from coordinator.config import JobConfig
 from protos import pstrain_pb2 as pb
 from protos import pstrain_pb2_grpc as pb_grpc
+from protos.security import TransportSecurity
 from protos.transport import open_channel
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class LocalCluster:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in shutdown()
         popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--log-level", self.log_level],
+            [sys.executable, "-m", module, *args, "--log-level", self.log_level, *self.cfg.security.flags()],
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -131,7 +132,10 @@ class LocalCluster:
     def run(self) -> int:
         """Follow the job to its end; returns the number of steps recorded."""
         steps = self.steps or self.cfg.job.steps
-        channel = open_channel(self.coordinator_address)
+        sec = self.cfg.security
+        channel = open_channel(
+            self.coordinator_address, TransportSecurity.load(sec.tls_ca, sec.tls_cert, sec.tls_key, sec.token_file)
+        )
         stub = pb_grpc.CoordinatorStub(channel)
         final: list[pb.ProgressEvent] = []
         watcher_error: list[BaseException] = []

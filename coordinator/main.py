@@ -19,15 +19,18 @@ from coordinator.config import JobConfig, load_config
 from coordinator.data_shards import DataShardTracker
 from coordinator.errors import ConfigError
 from coordinator.job import Job, JobState
+from coordinator.metrics import register_job_metrics
 from coordinator.model_state import ModelState
 from coordinator.plan import job_spec, make_plan
 from coordinator.service import CoordinatorServicer
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.factories import FactoryError, build_dataset
-from protos.lifecycle import stop_on_signals, write_port_file
+from protos.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
 from protos.logs import configure_logging
+from protos.metrics import serve_metrics
 from protos.ps_client import PsClient
-from protos.transport import start_server
+from protos.security import INSECURE, SecurityError, TransportSecurity, security_from_args
+from protos.transport import host_of, start_server
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +38,14 @@ log = logging.getLogger(__name__)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pstrain-coordinator", description="Run the pstrain coordinator of one job.")
     p.add_argument("--config", required=True, help="job file (YAML)")
-    p.add_argument("--bind", default="0.0.0.0:7070", help="address to listen on (port 0 picks a free port)")
     p.add_argument("--out", help="directory for model.pt and metrics.jsonl")
     p.add_argument("--steps", type=int, help="override job.steps")
-    p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--linger-s", type=float, default=30.0, help="after the job, wait this long for shards to stop")
-    p.add_argument("--grace-s", type=float, default=10.0)
-    p.add_argument("--log-level", default="INFO")
+    add_common_flags(p, default_bind="0.0.0.0:7070")
     return p.parse_args(argv)
 
 
-def build_job(cfg: JobConfig, out_dir: Path | None) -> Job:
+def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity = INSECURE) -> Job:
     """Everything the coordinator knows before the first member calls."""
     plan = make_plan(cfg)
     model = ModelState(cfg)
@@ -60,7 +60,9 @@ def build_job(cfg: JobConfig, out_dir: Path | None) -> Job:
     tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed)
 
     def export(addresses: list[str], version: int) -> torch.Tensor:
-        client = PsClient(addresses, spec.total_params, spec.chunk_bytes, pull_timeout_s=spec.pull_timeout_s)
+        client = PsClient(
+            addresses, spec.total_params, spec.chunk_bytes, pull_timeout_s=spec.pull_timeout_s, security=security
+        )
         try:
             flat = torch.empty(spec.total_params, dtype=torch.float32)
             client.pull(version, flat)
@@ -73,22 +75,28 @@ def build_job(cfg: JobConfig, out_dir: Path | None) -> Job:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        security = security_from_args(args)
         cfg = load_config(args.config)
         if args.steps is not None:
             cfg = cfg.with_steps(args.steps)
-        job = build_job(cfg, Path(args.out) if args.out else None)
-    except ConfigError as exc:
-        log.error("bad job file %s: %s", args.config, exc)
+        job = build_job(cfg, Path(args.out) if args.out else None, security)
+    except (ConfigError, SecurityError) as exc:
+        log.error("cannot start job %s: %s", args.config, exc)
         return 2
     stop = threading.Event()
     stop_on_signals(stop)
     server = start_server(
-        args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
+        args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"], security
     )
+    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
+    if metrics_port > 0:
+        register_job_metrics(job)
+        job.metrics_address = advertised_address(args.bind, metrics_port)
     log.info("job %s on port %d: %s", job.job_id, server.port, job.plan.describe())
     server.set_serving(True)
     if args.port_file:
         write_port_file(args.port_file, server.port)
+    sd_notify("READY=1")
     try:
         while not stop.is_set() and not job.wait_over(cfg.transport.heartbeat_s):
             job.check_liveness()
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         job.wait_stopped(args.linger_s)
         return 0 if job.state == JobState.FINISHED else 1
     finally:
+        sd_notify("STOPPING=1")
         server.stop(args.grace_s)
         job.close()
 

@@ -39,7 +39,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def RegisterParameterServer(
         self, request: pb.RegisterPsRequest, context: grpc.ServicerContext
     ) -> pb.RegisterPsReply:
-        r = self.job.register_ps(request.shard_id, request.address)
+        r = self.job.register_ps(request.shard_id, request.address, request.metrics_address)
         return pb.RegisterPsReply(job=self.job.spec, start=r.start, end=r.end)
 
     @translate
@@ -57,7 +57,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def RegisterWorker(
         self, request: pb.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> pb.RegisterWorkerReply:
-        worker_id = self.job.register_worker(request.address, list(request.devices), request.hostname)
+        worker_id = self.job.register_worker(
+            request.address, list(request.devices), request.hostname, request.metrics_address
+        )
         return pb.RegisterWorkerReply(worker_id=worker_id, job=self.job.spec)
 
     @translate

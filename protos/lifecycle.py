@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
 import threading
-from pathlib import Path
 
 import grpc
 
+from protos.atomic_io import atomic_write
+from protos.security import add_security_flags
 
-def stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM/SIGINT set ``stop``; the main thread then drains and exits 0 (systemd semantics)."""
 
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
+def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """SIGTERM/SIGINT set ``stop``; the main thread then drains and exits 0 (systemd semantics).
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    The Python-level handler must not touch ``stop`` itself: it runs in the main thread,
+    possibly while that thread holds the event's lock inside ``stop.wait()``, and would
+    deadlock. CPython's C handler writes the signal number to a wakeup pipe instead
+    (async-signal-safe), and a watcher thread sets the event.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for signum in signals:
+        signal.signal(signum, lambda signum, frame: None)
+
+    def watch() -> None:
+        while not stop.is_set():
+            if any(byte in signals for byte in os.read(read_fd, 64)):
+                stop.set()
+
+    threading.Thread(target=watch, name="signals", daemon=True).start()
 
 
 def wait_until_reachable(channel: grpc.Channel, address: str, timeout_s: float) -> None:
@@ -31,13 +46,23 @@ def wait_until_reachable(channel: grpc.Channel, address: str, timeout_s: float) 
 
 def write_port_file(path: str | os.PathLike[str], port: int) -> None:
     """Publish the bound port atomically, so a launcher never reads half a number."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(f"{port}\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    atomic_write(path, lambda fh: fh.write(f"{port}\n".encode()))
+
+
+def sd_notify(state: str) -> bool:
+    """Tell systemd about our state (``READY=1``, ``STOPPING=1``) on $NOTIFY_SOCKET (Type=notify).
+
+    A few lines of socket code instead of a dependency; a no-op outside systemd.
+    """
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):  # abstract namespace
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.connect(address)
+        sock.sendall(state.encode())
+    return True
 
 
 def advertised_address(bind: str, port: int, host: str | None = None) -> str:
@@ -49,3 +74,13 @@ def advertised_address(bind: str, port: int, host: str | None = None) -> str:
         bound = bind.rsplit(":", 1)[0]
         host = socket.getfqdn() if bound in ("", "0.0.0.0", "[::]", "::") else bound
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def add_common_flags(parser: argparse.ArgumentParser, default_bind: str) -> None:
+    """Flags every service takes, so systemd units and the launcher pass them the same way."""
+    parser.add_argument("--bind", default=default_bind, help="address to listen on (port 0 picks a free port)")
+    parser.add_argument("--port-file", help="write the bound port here (atomically) once serving")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free, -1: off)")
+    parser.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period in seconds")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_security_flags(parser)

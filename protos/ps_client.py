@@ -19,6 +19,7 @@ import torch
 from protos import pstrain_pb2 as pb
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.codec import DEFAULT_CHUNK_BYTES, TensorAssembler, encode_chunks
+from protos.security import INSECURE, TransportSecurity
 from protos.shard_map import ShardRange, shard_ranges
 from protos.transport import open_channel
 
@@ -46,6 +47,7 @@ class PsClient:
         push_timeout_s: float = 120.0,
         pull_timeout_s: float = 600.0,
         retries: int = 3,
+        security: TransportSecurity = INSECURE,
     ) -> None:
         self.ranges: list[ShardRange] = shard_ranges(total, len(addresses))
         self.total = total
@@ -53,7 +55,7 @@ class PsClient:
         self._push_timeout_s = push_timeout_s
         self._pull_timeout_s = pull_timeout_s
         self._retries = retries
-        self._channels = [open_channel(a) for a in addresses]
+        self._channels = [open_channel(a, security) for a in addresses]
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
 

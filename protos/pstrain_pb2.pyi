@@ -230,12 +230,14 @@ class ShardStatus(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ..., pushes_waiting: _Optional[int] = ..., workers_expected: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
 
 class RegisterPsRequest(_message.Message):
-    __slots__ = ("shard_id", "address")
+    __slots__ = ("shard_id", "address", "metrics_address")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     address: str
-    def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterPsReply(_message.Message):
     __slots__ = ("job", "start", "end")
@@ -260,14 +262,16 @@ class PsReadyRequest(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "devices", "hostname")
+    __slots__ = ("address", "devices", "hostname", "metrics_address")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     devices: _containers.RepeatedScalarFieldContainer[str]
     hostname: str
-    def __init__(self, address: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, address: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
     __slots__ = ("worker_id", "job")
@@ -374,21 +378,23 @@ class JobStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("role", "id", "address", "alive", "last_seen_s_ago")
+    __slots__ = ("role", "id", "address", "alive", "last_seen_s_ago", "metrics_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: str
     id: int
     address: str
     alive: bool
     last_seen_s_ago: float
-    def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message")
+    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message", "metrics_address", "global_lr")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +407,8 @@ class JobStatus(_message.Message):
     DATA_SHARDS_DOING_FIELD_NUMBER: _ClassVar[int]
     DATA_SHARDS_DONE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_LR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -413,7 +421,9 @@ class JobStatus(_message.Message):
     data_shards_doing: int
     data_shards_done: int
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    global_lr: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ..., metrics_address: _Optional[str] = ..., global_lr: _Optional[float] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

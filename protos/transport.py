@@ -16,6 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import pstrain_pb2 as pb
+from protos.metrics import REJECTED
+from protos.security import INSECURE, TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +70,28 @@ def start_server(
     address: str,
     register: Iterable[tuple[object, object]],
     service_names: Iterable[str],
+    security: TransportSecurity = INSECURE,
     max_workers: int = 32,
 ) -> ServingServer:
     """Bind ``address`` (port 0 picks a free one), add servicers, health and reflection, start.
 
     ``register`` holds ``(add_XServicer_to_server, servicer)`` pairs. Health starts as
-    NOT_SERVING: each service flips it once it is really ready.
+    NOT_SERVING: each service flips it once it is really ready. With ``security`` the port
+    demands mutual TLS and/or the bearer token (health stays open).
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=SERVER_OPTIONS,
+        interceptors=security.server_interceptors(),
+    )
     for add, servicer in register:
         add(servicer, server)  # type: ignore[operator]
     names = tuple(full_service_name(n) for n in service_names)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    credentials = security.server_credentials()
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     server.start()
@@ -91,9 +100,15 @@ def start_server(
     return serving
 
 
-def open_channel(address: str) -> grpc.Channel:
+def open_channel(address: str, security: TransportSecurity = INSECURE) -> grpc.Channel:
     """One long-lived channel per peer; callers keep it for the life of the process."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    credentials = security.channel_credentials()
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    interceptors = security.client_interceptors()
+    return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
 
 
 def host_of(address: str) -> str:
@@ -116,6 +131,11 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
                 return mapping[cls]
         return None
 
+    def refuse(context: grpc.ServicerContext, code: grpc.StatusCode, rpc: str, exc: Exception) -> None:
+        REJECTED.labels(code.name).inc()
+        log.warning("%s from %s refused: %s: %s", rpc, context.peer(), code.name, exc)
+        context.abort(code, str(exc))
+
     def decorate(method):  # type: ignore[no-untyped-def]
         if inspect.isgeneratorfunction(method):
 
@@ -127,7 +147,7 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
                     code = lookup(exc)
                     if code is None:
                         raise
-                    context.abort(code, str(exc))
+                    refuse(context, code, method.__name__, exc)
 
             return stream_wrapper
 
@@ -139,7 +159,7 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
                 code = lookup(exc)
                 if code is None:
                     raise
-                context.abort(code, str(exc))
+                refuse(context, code, method.__name__, exc)
 
         return unary_wrapper
 

@@ -1,8 +1,8 @@
 """``pstrain-ps``: run one parameter-server shard.
 
 Start order: serve (health NOT_SERVING) -> register with the coordinator -> receive the
-initial parameters of this shard's range -> SERVING -> heartbeat until the coordinator says
-the job is over or SIGTERM arrives -> drain and exit 0.
+initial parameters of this shard's range -> SERVING, READY=1 to systemd -> heartbeat until
+the coordinator says the job is over or SIGTERM arrives -> NOT_SERVING, drain, exit 0.
 """
 
 from __future__ import annotations
@@ -17,9 +17,18 @@ import torch
 from protos import pstrain_pb2 as pb
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.codec import TensorAssembler
-from protos.lifecycle import advertised_address, stop_on_signals, wait_until_reachable, write_port_file
+from protos.lifecycle import (
+    add_common_flags,
+    advertised_address,
+    sd_notify,
+    stop_on_signals,
+    wait_until_reachable,
+    write_port_file,
+)
 from protos.logs import configure_logging
-from protos.transport import CONTROL_TIMEOUT_S, open_channel, start_server
+from protos.metrics import serve_metrics
+from protos.security import SecurityError, security_from_args
+from protos.transport import CONTROL_TIMEOUT_S, host_of, open_channel, start_server
 from ps_server.service import ParameterServerServicer
 from ps_server.shard import ParameterShard
 
@@ -30,39 +39,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pstrain-ps", description="Run one pstrain parameter-server shard.")
     p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
     p.add_argument("--shard-id", type=int, required=True, help="which shard of the job this process serves")
-    p.add_argument("--bind", default="0.0.0.0:0", help="address to listen on (port 0 picks a free port)")
     p.add_argument("--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)")
-    p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--connect-timeout-s", type=float, default=120.0)
-    p.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period")
-    p.add_argument("--log-level", default="INFO")
+    add_common_flags(p, default_bind="0.0.0.0:0")
     return p.parse_args(argv)
 
 
-def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> TensorAssembler:
+def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> torch.Tensor:
     assembler = TensorAssembler(torch.float32, numel)
     for chunk in stub.FetchInitialParameters(pb.InitialParametersRequest(shard_id=shard_id), timeout=300):
         assembler.add(chunk)
-    return assembler
+    return assembler.result()
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        security = security_from_args(args)
+    except SecurityError as exc:
+        log.error("%s", exc)
+        return 2
     stop = threading.Event()
     stop_on_signals(stop)
     servicer = ParameterServerServicer()
-    server = start_server(args.bind, [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
+    server = start_server(
+        args.bind, [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"], security
+    )
     address = advertised_address(args.bind, server.port, args.advertise_host)
+    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
+    metrics_address = advertised_address(args.bind, metrics_port, args.advertise_host) if metrics_port > 0 else ""
     log.info("shard %d listening on %s", args.shard_id, address)
-    channel = open_channel(args.coordinator)
+    channel = open_channel(args.coordinator, security)
     shard: ParameterShard | None = None
     try:
         wait_until_reachable(channel, args.coordinator, args.connect_timeout_s)
         stub = pb_grpc.CoordinatorStub(channel)
         reply = stub.RegisterParameterServer(
-            pb.RegisterPsRequest(shard_id=args.shard_id, address=address), timeout=CONTROL_TIMEOUT_S
+            pb.RegisterPsRequest(shard_id=args.shard_id, address=address, metrics_address=metrics_address),
+            timeout=CONTROL_TIMEOUT_S,
         )
         job = reply.job
-        initial = fetch_initial(stub, args.shard_id, reply.end - reply.start).result()
+        initial = fetch_initial(stub, args.shard_id, reply.end - reply.start)
         shard = ParameterShard(
             args.shard_id, reply.start, reply.end, initial, job.optimizer, job.lr_schedule, job.workers
         )
@@ -71,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         if args.port_file:
             write_port_file(args.port_file, server.port)
         stub.ParameterServerReady(pb.PsReadyRequest(shard_id=args.shard_id), timeout=CONTROL_TIMEOUT_S)
+        sd_notify("READY=1")
         log.info("shard %d serving [%d, %d) of %d parameters", args.shard_id, reply.start, reply.end, job.total_params)
         while not stop.wait(job.heartbeat_s):
             try:
@@ -89,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 1
     finally:
-        server.set_serving(False)
+        sd_notify("STOPPING=1")
         if shard is not None:
             shard.close()
         server.stop(args.grace_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -12,6 +13,7 @@ from protos import pstrain_pb2 as pb
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.codec import CodecError, TensorAssembler, encode_chunks
 from protos.transport import abort_on_errors
+from ps_server import metrics
 from ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from ps_server.shard import ParameterShard
 
@@ -57,6 +59,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self._pool = _StagingPool(shard.numel)
         self._chunk_bytes = chunk_bytes
         self._shard = shard
+        metrics.VERSION.set_function(lambda: shard.version)
+        metrics.SHARD_BYTES.set_function(lambda: shard.snapshot().bytes_held)
+        metrics.PUSHES_WAITING.set_function(lambda: shard.snapshot().pushes_waiting)
 
     @property
     def shard(self) -> ParameterShard:
@@ -67,6 +72,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     @translate
     def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
         shard = self.shard
+        started = time.perf_counter()
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("a push stream must start with a PushHeader")
@@ -84,6 +90,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             result = shard.push(h.worker_id, h.step, assembler.result(), h.device_count)
         finally:
             self._pool.release(buf)
+        metrics.BYTES_PUSHED.inc(h.numel * 4)
+        metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
+        if result.completed:
+            metrics.UPDATE_SECONDS.observe(result.update_s)
         return pb.PushReply(version=result.version, duplicate=result.duplicate, completed=result.completed)
 
     @translate
@@ -91,11 +101,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         shard = self.shard
         if request.shard_id != shard.shard_id:
             raise InvalidArgument(f"pull for shard {request.shard_id} reached shard {shard.shard_id}")
+        started = time.perf_counter()
         remaining = context.time_remaining()
         wait_s = DEFAULT_PULL_WAIT_S if remaining is None else max(0.0, remaining)
         with shard.read(request.min_version, wait_s) as (version, params):
             for chunk in encode_chunks(params, self._chunk_bytes):
                 yield pb.PullReply(version=version, chunk=chunk)
+        metrics.BYTES_PULLED.inc(shard.numel * 4)
+        metrics.PULL_SECONDS.observe(time.perf_counter() - started)
 
     @translate
     def GetShardStatus(self, request: pb.ShardStatusRequest, context: grpc.ServicerContext) -> pb.ShardStatus:

@@ -36,6 +36,7 @@ class PushResult:
     version: int
     duplicate: bool
     completed: bool
+    update_s: float = 0.0  # optimizer time, when this push completed the step
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,9 @@ class ParameterShard:
             self._last_step[worker_id] = step
             if len(self._pending) < self.workers:
                 return PushResult(self._version, duplicate=False, completed=False)
+            started = time.perf_counter()
             self._apply_update()
-            return PushResult(self._version, duplicate=False, completed=True)
+            return PushResult(self._version, duplicate=False, completed=True, update_s=time.perf_counter() - started)
 
     def _classify_step(self, worker_id: int, step: int) -> bool:
         if self._last_step.get(worker_id) == step:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,6 +74,7 @@ def child_env(marker: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["PSTRAIN_TEST_MARKER"] = marker
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung process dumps every thread's stack on SIGABRT
     return env
 
 
@@ -109,3 +111,38 @@ def run_local(job: Path, out: Path, marker: str, timeout_s: float = 240, extra: 
     """Run ``pstrain local`` as a real process and return the CompletedProcess."""
     cmd = [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out), *(extra or [])]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(marker), capture_output=True, text=True, timeout=timeout_s)
+
+
+def start_local(job: Path, out: Path, marker: str) -> subprocess.Popen:
+    """Start ``pstrain local`` in the background; the caller stops it (see ``stop_local``)."""
+    cmd = [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out)]
+    return subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=child_env(marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def communicate_or_dump(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """``proc.communicate`` that, on a hang, fails with the stacks of every thread of ``proc``."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, stderr = proc.communicate(timeout=30)
+        raise AssertionError(f"{proc.args} still running after {timeout_s:.0f}s:\n{stderr[-8000:]}") from None
+
+
+def stop_local(proc: subprocess.Popen, marker: str) -> None:
+    """Ctrl-C the launcher, wait for it, and make sure nothing it started survives."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+    wait_for(lambda: not pids_with_marker(marker), 30, "the cluster's processes to exit")
+
+
+def metrics_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0

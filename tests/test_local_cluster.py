@@ -3,30 +3,20 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import torch
 
-from tests.helpers import REPO_ROOT, child_env, pids_with_marker, run_local, wait_for, write_job
-
-
-def metrics_lines(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def start_local(job: Path, out: Path, marker: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out)],
-        cwd=REPO_ROOT,
-        env=child_env(marker),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+from tests.helpers import (
+    communicate_or_dump,
+    metrics_lines,
+    pids_with_marker,
+    run_local,
+    start_local,
+    wait_for,
+    write_job,
+)
 
 
 def test_outputs_and_buffers(tmp_path):
@@ -92,7 +82,7 @@ def test_ctrl_c_drains_and_exits_130(tmp_path):
     try:
         wait_for(lambda: metrics_lines(tmp_path / "out") >= 2, 120, "training to start")
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = communicate_or_dump(proc, 120)
         assert proc.returncode == 130 and "interrupted" in stderr
     finally:
         if proc.poll() is None:

@@ -20,10 +20,11 @@ class CoordinatorLink:
         self._stub = pb_grpc.CoordinatorStub(channel)
         self.worker_id = worker_id
 
-    def register(self, address: str, devices: list[str], hostname: str) -> pb.RegisterWorkerReply:
-        reply = self._stub.RegisterWorker(
-            pb.RegisterWorkerRequest(address=address, devices=devices, hostname=hostname), timeout=CONTROL_TIMEOUT_S
+    def register(self, address: str, devices: list[str], hostname: str, metrics_address: str) -> pb.RegisterWorkerReply:
+        request = pb.RegisterWorkerRequest(
+            address=address, devices=devices, hostname=hostname, metrics_address=metrics_address
         )
+        reply = self._stub.RegisterWorker(request, timeout=CONTROL_TIMEOUT_S)
         self.worker_id = reply.worker_id
         return reply
 

@@ -16,10 +16,19 @@ import grpc
 
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.factories import FactoryError, ParamLayout, build_dataset, build_model, resolve_loss
-from protos.lifecycle import advertised_address, stop_on_signals, wait_until_reachable, write_port_file
+from protos.lifecycle import (
+    add_common_flags,
+    advertised_address,
+    sd_notify,
+    stop_on_signals,
+    wait_until_reachable,
+    write_port_file,
+)
 from protos.logs import configure_logging
+from protos.metrics import serve_metrics
 from protos.ps_client import PsClient
-from protos.transport import open_channel, start_server
+from protos.security import SecurityError, security_from_args
+from protos.transport import host_of, open_channel, start_server
 from worker.coordinator_link import CoordinatorLink
 from worker.data_feed import DataFeed
 from worker.devices import DeviceError, resolve_devices
@@ -34,13 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pstrain-worker", description="Run the pstrain worker of this host.")
     p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
     p.add_argument("--devices", default="", help="comma-separated devices (cuda:0,cuda:1); default from the job")
-    p.add_argument("--bind", default="0.0.0.0:0", help="status endpoint address (port 0 picks a free port)")
     p.add_argument("--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)")
-    p.add_argument("--port-file", help="write the bound port here once serving")
     p.add_argument("--connect-timeout-s", type=float, default=120.0)
     p.add_argument("--cluster-timeout-s", type=float, default=600.0, help="how long to wait for every PS shard")
-    p.add_argument("--grace-s", type=float, default=10.0)
-    p.add_argument("--log-level", default="INFO")
+    add_common_flags(p, default_bind="0.0.0.0:0")
     return p.parse_args(argv)
 
 
@@ -76,12 +82,19 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        security = security_from_args(args)
+    except SecurityError as exc:
+        log.error("%s", exc)
+        return 2
     stop = threading.Event()
     stop_on_signals(stop)
     servicer = WorkerServicer(devices=[])
-    server = start_server(args.bind, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"])
+    server = start_server(args.bind, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"], security)
     address = advertised_address(args.bind, server.port, args.advertise_host)
-    channel = open_channel(args.coordinator)
+    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
+    metrics_address = advertised_address(args.bind, metrics_port, args.advertise_host) if metrics_port > 0 else ""
+    channel = open_channel(args.coordinator, security)
     heartbeat_stop = threading.Event()
     aborted = threading.Event()
     replicas: ReplicaSet | None = None
@@ -89,9 +102,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         wait_until_reachable(channel, args.coordinator, args.connect_timeout_s)
         link = CoordinatorLink(channel)
-        # Resolve devices before registering so a misconfigured host is refused cleanly.
         requested = [d for d in args.devices.split(",") if d]
-        reply = link.register(address, requested, socket.gethostname())
+        reply = link.register(address, requested, socket.gethostname(), metrics_address)
         job = reply.job
         devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
         servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
@@ -109,7 +121,12 @@ def run(args: argparse.Namespace) -> int:
             raise FactoryError("this host's model factory builds a different model than the coordinator's")
         replicas = ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout)
         ps = PsClient(
-            list(cluster.ps_addresses), job.total_params, job.chunk_bytes, job.push_timeout_s, job.pull_timeout_s
+            list(cluster.ps_addresses),
+            job.total_params,
+            job.chunk_bytes,
+            job.push_timeout_s,
+            job.pull_timeout_s,
+            security=security,
         )
         feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
         trainer = Trainer(reply.worker_id, job, replicas, ps, feed, resolve_loss(job.loss), link, stop)
@@ -117,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         server.set_serving(True)
         if args.port_file:
             write_port_file(args.port_file, server.port)
+        sd_notify("READY=1")
         outcome = run_interruptibly(trainer, stop)
         if aborted.is_set():
             return 1
@@ -134,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        sd_notify("STOPPING=1")
         heartbeat_stop.set()
         server.stop(args.grace_s)
         if ps is not None:

@@ -11,6 +11,7 @@ from typing import Protocol
 from protos import pstrain_pb2 as pb
 from protos.factories import LossFn
 from protos.ps_client import PsClient
+from worker import metrics
 from worker.data_feed import DataFeed
 from worker.replicas import ReplicaSet
 
@@ -81,13 +82,19 @@ class Trainer:
         inputs, targets = self.feed.next_batch(self.job.per_device_batch * devices)
         losses = self.replicas.forward_backward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         grads = self.replicas.sum_gradients()
+        computed = time.perf_counter()
         self.ps.push(grads, self.worker_id, step, devices).wait()
+        pushed = time.perf_counter()
         self.feed.commit()
         self.ps.pull(step + 1, self.replicas.host_params)
+        pulled = time.perf_counter()
         self.replicas.load_parameters()
         elapsed = time.perf_counter() - started
         self.progress.step = step + 1
         self.progress.last_step_s = elapsed
+        self._record(
+            step, losses, int(inputs.shape[0]), computed - started, pushed - computed, pulled - pushed, elapsed
+        )
         return self.reporter.report(
             pb.StepReport(
                 worker_id=self.worker_id,
@@ -97,3 +104,25 @@ class Trainer:
                 step_s=elapsed,
             )
         )
+
+    def _record(
+        self,
+        step: int,
+        losses: list[float],
+        samples: int,
+        compute_s: float,
+        push_s: float,
+        pull_s: float,
+        step_s: float,
+    ) -> None:
+        model_bytes = self.job.total_params * 4
+        metrics.COMPUTE_SECONDS.observe(compute_s)
+        metrics.PUSH_SECONDS.observe(push_s)
+        metrics.PULL_SECONDS.observe(pull_s)
+        metrics.STEP_SECONDS.observe(step_s)
+        metrics.BYTES_PUSHED.inc(model_bytes)
+        metrics.BYTES_PULLED.inc(model_bytes)
+        metrics.SAMPLES.inc(samples)
+        metrics.STEP.set(step + 1)
+        metrics.LOSS.set(sum(losses) / len(losses))
+        log.debug("step %d: compute %.3fs push %.3fs pull %.3fs", step, compute_s, push_s, pull_s)

