@@ -25,6 +25,7 @@ proto: venv  ## regenerate protos/pstrain_pb2*.py from protos/pstrain.proto
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy protos ps_server worker coordinator
+	cd ansible && ../$(BIN)/ansible-lint site.yml
 
 bench: venv
 	$(BIN)/python bench/pushpull.py
