@@ -12,9 +12,11 @@ import torch
 from coordinator.config import JobConfig, load_config
 from coordinator.errors import ConfigError
 from coordinator.local_cluster import LocalCluster, last_metrics, run_local
+from coordinator.model_state import ModelState
 from coordinator.plan import make_plan
+from coordinator.planning import describe, plan_job
 from protos.atomic_io import atomic_write
-from protos.factories import FactoryError, build_model, import_object
+from protos.factories import FactoryError, build_dataset, build_model, import_object
 
 
 def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:
@@ -39,7 +41,10 @@ def cmd_local(args: argparse.Namespace) -> int:
         print(f"pstrain: bad job file {args.config}: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
-    print(f"pstrain local: {make_plan(cfg).describe()}; {cfg.cluster.ps_shards} PS shard(s); output in {out_dir}")
+    summary = (
+        make_plan(cfg).describe() if cfg.batch.per_device != "auto" else "per-device batch: auto (see `pstrain plan`)"
+    )
+    print(f"pstrain local: {summary}; {cfg.cluster.ps_shards} PS shard(s); output in {out_dir}")
     cluster = LocalCluster(Path(args.config).resolve(), cfg, out_dir, args.steps, args.log_level)
     code = run_local(cluster)
     if code != 0:
@@ -58,6 +63,20 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the plan without starting a cluster."""
+    try:
+        cfg = load_config(args.config)
+        model = ModelState(cfg)
+        dataset = build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs))
+        job_plan = plan_job(cfg, model.model, dataset, model.layout.total, args.device_memory, args.bandwidth)
+    except (ConfigError, FactoryError, ValueError) as exc:
+        print(f"pstrain plan: {exc}", file=sys.stderr)
+        return 2
+    print(describe(job_plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pstrain", description="Distributed training with a sharded CPU parameter server."
@@ -69,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--steps", type=int, help="override job.steps")
     local.add_argument("--log-level", default="INFO", help="log level of the cluster's processes")
     local.set_defaults(func=cmd_local)
+    plan = sub.add_parser("plan", help="print the memory plan, batch and learning rate without starting a cluster")
+    plan.add_argument("--config", required=True, help="job file (YAML)")
+    plan.add_argument("--device-memory", help="plan for this much device memory, e.g. 80GiB (default: the job file)")
+    plan.add_argument("--bandwidth", help="device<->host bandwidth, e.g. 25GB/s (default: the job file)")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

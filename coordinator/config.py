@@ -16,9 +16,11 @@ from typing import Any
 import yaml
 
 from coordinator.errors import ConfigError
+from coordinator.memory_plan import parse_bytes
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCALINGS = ("linear", "sqrt", "none")
+LR_SCALINGS = ("linear", "sqrt", "none", "auto")
+MEMORY_POLICIES = ("auto", "keep", "swap")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -85,15 +87,23 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    per_device: int = 64
-    """Samples per device per step."""
+    per_device: int | str = 64
+    """Samples per device per step, or "auto": the largest the memory plan allows (S1.5)."""
+    max_per_device: int | None = None
+    """Upper bound for "auto" (the largest batch that fits is not always the best one)."""
     lr_scaling: str = "linear"
-    """linear: lr x devices (S1.6); sqrt: lr x sqrt(devices); none."""
+    """linear: lr x devices (S1.6); sqrt: lr x sqrt(devices); none; auto: sqrt for Adam-type, else linear."""
     warmup_steps: int = 0
     """Linear warmup of the scaled learning rate over this many steps."""
 
     def __post_init__(self) -> None:
-        _require(self.per_device >= 1, "batch.per_device", f"must be at least 1, got {self.per_device}")
+        if isinstance(self.per_device, str):
+            _require(
+                self.per_device == "auto", "batch.per_device", f"must be a number or 'auto', got {self.per_device!r}"
+            )
+        else:
+            _require(self.per_device >= 1, "batch.per_device", f"must be at least 1, got {self.per_device}")
+        _require(self.max_per_device is None or self.max_per_device >= 1, "batch.max_per_device", "must be at least 1")
         _require(
             self.lr_scaling in LR_SCALINGS,
             "batch.lr_scaling",
@@ -161,6 +171,40 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    device_memory: str | None = None
+    """Device memory to plan for ("80GiB"); default: this host's GPU. Needed for per_device: auto without one."""
+    bandwidth: str | None = None
+    """Device<->host bandwidth ("12GB/s"); default: measured on this host's GPU, else 12GB/s."""
+    margin: float = 0.1
+    """Fraction of device memory the plan leaves free."""
+    policy: str = "auto"
+    """auto: the planner's keep/swap/recompute per layer; keep: no offload; swap: swap every layer."""
+    prefetch: int = 2
+    """Saved tensors copied back ahead of backward's need."""
+    pinned_limit: str = "4GiB"
+    """Cap of pinned host memory for swapped activations per device; past it, pageable memory."""
+    blocks: list[str] = field(default_factory=list)
+    """Module names profiled and planned as one layer each (e.g. transformer blocks)."""
+    profile_batches: list[int] = field(default_factory=lambda: [4, 8])
+    """The two batch sizes whose difference gives the per-sample figures."""
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.margin < 1, "memory.margin", f"must be in [0, 1), got {self.margin}")
+        _require(self.policy in MEMORY_POLICIES, "memory.policy", f"{self.policy!r} is not one of auto, keep, swap")
+        _require(self.prefetch >= 0, "memory.prefetch", "must be non-negative")
+        b = self.profile_batches
+        _require(len(b) == 2 and 0 < b[0] < b[1], "memory.profile_batches", f"must be two sizes b1 < b2, got {b}")
+        for key in ("device_memory", "bandwidth", "pinned_limit"):
+            value = getattr(self, key)
+            if value is not None:
+                try:
+                    parse_bytes(value)
+                except ValueError as exc:
+                    raise ConfigError(f"memory.{key}: {exc}") from None
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     """Paths ``pstrain local`` passes to every process it starts (standalone services take flags)."""
 
@@ -208,6 +252,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def with_steps(self, steps: int) -> JobConfig:

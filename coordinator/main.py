@@ -21,7 +21,8 @@ from coordinator.errors import ConfigError
 from coordinator.job import Job, JobState
 from coordinator.metrics import register_job_metrics
 from coordinator.model_state import ModelState
-from coordinator.plan import job_spec, make_plan
+from coordinator.plan import job_spec
+from coordinator.planning import describe, plan_job
 from coordinator.service import CoordinatorServicer
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.factories import FactoryError, build_dataset
@@ -47,16 +48,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity = INSECURE) -> Job:
     """Everything the coordinator knows before the first member calls."""
-    plan = make_plan(cfg)
     model = ModelState(cfg)
     try:
-        dataset_size = len(build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs)))  # type: ignore[arg-type]
+        dataset = build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs))
     except FactoryError as exc:
         raise ConfigError(f"data.factory: {exc}") from exc
-    if dataset_size < cfg.batch.per_device:
-        raise ConfigError(f"batch.per_device: {cfg.batch.per_device} exceeds the dataset's {dataset_size} samples")
+    dataset_size = len(dataset)  # type: ignore[arg-type]
+    job_plan = plan_job(cfg, model.model, dataset, model.layout.total)
+    plan = job_plan.plan
+    if job_plan.memory is not None:
+        log.info("memory plan:\n%s", describe(job_plan))
+    if dataset_size < plan.per_device_batch:
+        raise ConfigError(f"batch.per_device: {plan.per_device_batch} exceeds the dataset's {dataset_size} samples")
     job_id = f"{cfg.job.name}-{uuid.uuid4().hex[:8]}"
-    spec = job_spec(cfg, plan, model.layout, job_id)
+    spec = job_spec(cfg, plan, model.layout, job_id, job_plan.layer_policies())
     tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed)
 
     def export(addresses: list[str], version: int) -> torch.Tensor:

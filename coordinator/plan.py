@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 from coordinator.config import JobConfig
+from coordinator.errors import ConfigError
+from coordinator.memory_plan import parse_bytes
 from protos import pstrain_pb2 as pb
 from protos.factories import ParamLayout
 from protos.schedule import learning_rate
@@ -62,19 +64,32 @@ class Plan:
         )
 
 
-def make_plan(cfg: JobConfig) -> Plan:
+def lr_scaling_for(cfg: JobConfig) -> str:
+    """``auto``: sqrt for Adam-type optimizers (their step is already normalised), linear otherwise."""
+    if cfg.batch.lr_scaling != "auto":
+        return cfg.batch.lr_scaling
+    return "sqrt" if cfg.optimizer.name in ("adam", "adamw") else "linear"
+
+
+def make_plan(cfg: JobConfig, per_device: int | None = None) -> Plan:
+    """The plan; ``per_device`` is the memory planner's batch when the job file says ``auto``."""
+    batch = per_device if per_device is not None else cfg.batch.per_device
+    if not isinstance(batch, int):
+        raise ConfigError("batch.per_device: 'auto' needs the memory planner (coordinator.planning.plan_job)")
     return Plan(
-        per_device_batch=cfg.batch.per_device,
+        per_device_batch=batch,
         devices_per_worker=cfg.cluster.device_count,
         workers=cfg.cluster.workers,
         base_lr=cfg.optimizer.lr,
-        lr_scaling=cfg.batch.lr_scaling,
+        lr_scaling=lr_scaling_for(cfg),
         warmup_steps=cfg.batch.warmup_steps,
         steps=cfg.job.steps,
     )
 
 
-def job_spec(cfg: JobConfig, plan: Plan, layout: ParamLayout, job_id: str) -> pb.JobSpec:
+def job_spec(
+    cfg: JobConfig, plan: Plan, layout: ParamLayout, job_id: str, layer_policies: dict[str, str] | None = None
+) -> pb.JobSpec:
     """Everything PS shards and workers need, in wire form: they never read the job file."""
     opt = cfg.optimizer
     return pb.JobSpec(
@@ -110,4 +125,7 @@ def job_spec(cfg: JobConfig, plan: Plan, layout: ParamLayout, job_id: str) -> pb
         pull_timeout_s=cfg.transport.pull_timeout_s,
         heartbeat_s=cfg.transport.heartbeat_s,
         devices=cfg.cluster.device_list,
+        layer_policies=layer_policies or {},
+        prefetch=cfg.memory.prefetch,
+        pinned_limit_bytes=parse_bytes(cfg.memory.pinned_limit),
     )

@@ -102,7 +102,14 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices")
+    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes")
+    class LayerPoliciesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FACTORY_FIELD_NUMBER: _ClassVar[int]
     MODEL_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +133,9 @@ class JobSpec(_message.Message):
     PULL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_POLICIES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    PINNED_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_factory: str
     model_kwargs_json: str
@@ -149,7 +159,10 @@ class JobSpec(_message.Message):
     pull_timeout_s: float
     heartbeat_s: float
     devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    layer_policies: _containers.ScalarMap[str, str]
+    prefetch: int
+    pinned_limit_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

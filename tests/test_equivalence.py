@@ -146,3 +146,21 @@ def test_other_cluster_shapes(tmp_path, workers, devices, shards):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), model.state_dict())
+
+
+def test_swapping_every_layer_changes_nothing(tmp_path):
+    """The worker applies the coordinator's plan (swap every layer that saves a tensor of its own) bit-exactly."""
+    job = write_job(
+        tmp_path / "job.yaml",
+        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL}, "shard_size": 8},
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        batch={"per_device": PER_DEVICE, "lr_scaling": "linear"},
+        job={"steps": STEPS, "seed": 3},
+        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": DEVICES},
+        memory={"policy": "swap", "device_memory": "1GiB"},
+    )
+    result = run_local(job, tmp_path / "out", uuid.uuid4().hex)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "memory plan: 0=swap, 1=swap\n" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
+    expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * DEVICES, momentum=0.9)
+    assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)

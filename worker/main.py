@@ -32,7 +32,7 @@ from protos.transport import host_of, open_channel, start_server
 from worker.coordinator_link import CoordinatorLink
 from worker.data_feed import DataFeed
 from worker.devices import DeviceError, resolve_devices
-from worker.replicas import ReplicaSet
+from worker.replicas import MemoryPolicy, ReplicaSet
 from worker.service import WorkerServicer
 from worker.trainer import Trainer
 
@@ -119,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
         layout = ParamLayout.of(layout_model)
         if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
             raise FactoryError("this host's model factory builds a different model than the coordinator's")
-        replicas = ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout)
+        memory = MemoryPolicy(dict(job.layer_policies), job.prefetch, job.pinned_limit_bytes)
+        if memory.layer_policies:
+            log.info("memory plan: %s", ", ".join(f"{k}={v}" for k, v in sorted(memory.layer_policies.items())))
+        replicas = ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout, memory)
         ps = PsClient(
             list(cluster.ps_addresses),
             job.total_params,

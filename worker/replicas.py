@@ -15,6 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from protos.factories import LossFn, ParamLayout
+from worker.offload import SwapToHost, apply_layer_policies
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """The job's per-layer memory plan as the worker applies it."""
+
+    layer_policies: dict[str, str]
+    prefetch: int = 2
+    pinned_limit_bytes: int = 4 << 30
 
 
 @dataclass
@@ -24,9 +34,12 @@ class Replica:
     flat_params: torch.Tensor
     flat_grads: torch.Tensor
     staging: torch.Tensor  # host buffer the gradients land in (the flat grads themselves on CPU)
+    offload: SwapToHost | None = None  # swap-out of saved activations, per the job's memory plan
 
     @classmethod
-    def build(cls, model: torch.nn.Module, device: torch.device, layout: ParamLayout, pin: bool) -> Replica:
+    def build(
+        cls, model: torch.nn.Module, device: torch.device, layout: ParamLayout, pin: bool, memory: MemoryPolicy | None
+    ) -> Replica:
         model = model.to(device)
         flat_params = torch.empty(layout.total, dtype=torch.float32, device=device)
         flat_grads = torch.zeros(layout.total, dtype=torch.float32, device=device)
@@ -42,11 +55,17 @@ class Replica:
             param.grad = flat_grads[offset : offset + n].view(shape)
         pinned = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin) if device.type != "cpu" else None
         staging = flat_grads if pinned is None else pinned
-        return cls(device, model, flat_params, flat_grads, staging)
+        offload = None
+        if memory is not None and memory.layer_policies:
+            offload = SwapToHost(memory.prefetch, memory.pinned_limit_bytes).ignore_parameters(model)
+            apply_layer_policies(model, memory.layer_policies, offload)
+        return cls(device, model, flat_params, flat_grads, staging, offload)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """One forward/backward on this device's slice; the gradient lands in ``flat_grads``."""
         self.flat_grads.zero_()
+        if self.offload is not None:
+            self.offload.reset()
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         loss = loss_fn(self.model(inputs), targets)
@@ -72,13 +91,19 @@ class Replica:
 class ReplicaSet:
     """All replicas of this host plus the host buffers the PS client reads and writes."""
 
-    def __init__(self, build_model: Callable[[], torch.nn.Module], devices: list[torch.device], layout: ParamLayout):
+    def __init__(
+        self,
+        build_model: Callable[[], torch.nn.Module],
+        devices: list[torch.device],
+        layout: ParamLayout,
+        memory: MemoryPolicy | None = None,
+    ):
         if not devices:
             raise ValueError("a worker needs at least one device")
         self.layout = layout
         self.devices = devices
         pin = any(d.type == "cuda" for d in devices)
-        self.replicas = [Replica.build(build_model(), d, layout, pin) for d in devices]
+        self.replicas = [Replica.build(build_model(), d, layout, pin, memory) for d in devices]
         self.host_grads = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin)
         self.host_params = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin)
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="replica")

@@ -1,0 +1,208 @@
+"""Per-layer memory and time profile of a model (SPEC S1.4-S1.5, S3.3).
+
+For every layer (leaf module, or a user-declared block such as a transformer block) it
+measures the bytes of tensors saved for backward, per sample, as the slope between two batch
+sizes (so fixed costs do not pollute the per-sample figure), its parameter and gradient bytes,
+the bytes of the gradient flowing into it during backward (its output size), and its forward
+and backward time. Saved tensors are seen through ``torch.autograd.graph.saved_tensors_hooks``;
+a storage is counted once, for the layer that saved it first, and parameters saved for backward
+are not activations and are not counted.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    param_bytes: int
+    saved_bytes_per_sample: float  # tensors saved for backward, per sample
+    saved_bytes_fixed: float  # the batch-independent part of the same
+    output_bytes_per_sample: float  # the gradient buffer backward allocates for this layer's output
+    forward_s: float  # at the profile's reference batch
+    backward_s: float
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.param_bytes
+
+    def saved_bytes(self, batch: int) -> float:
+        return self.saved_bytes_fixed + self.saved_bytes_per_sample * batch
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    layers: tuple[LayerProfile, ...]
+    batch: int  # the reference batch the times were measured at
+    device: str
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def saved_bytes(self, batch: int) -> float:
+        return sum(layer.saved_bytes(batch) for layer in self.layers)
+
+    def step_s(self) -> float:
+        return sum(layer.forward_s + layer.backward_s for layer in self.layers)
+
+    def largest_layer(self) -> LayerProfile:
+        return max(self.layers, key=lambda layer: layer.saved_bytes_per_sample)
+
+
+@dataclass
+class _Tracker:
+    """Attributes saved tensors and times to the layer currently running."""
+
+    param_ptrs: set[int]
+    current: list[str] = field(default_factory=list)
+    saved: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, int] = field(default_factory=dict)
+    forward_s: dict[str, float] = field(default_factory=dict)
+    backward_s: dict[str, float] = field(default_factory=dict)
+    seen_storages: set[int] = field(default_factory=set)
+    started: dict[str, float] = field(default_factory=dict)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if self.current and ptr not in self.param_ptrs and ptr not in self.seen_storages:
+            self.seen_storages.add(ptr)
+            layer = self.current[-1]
+            self.saved[layer] = self.saved.get(layer, 0) + storage.nbytes()
+        return tensor
+
+
+def layer_modules(model: nn.Module, blocks: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
+    """The profiled layers: the named blocks, plus every leaf module outside them that has work."""
+    named = dict(model.named_modules())
+    missing = [b for b in blocks if b not in named]
+    if missing:
+        raise ValueError(f"unknown block(s) {missing}; module names look like {list(named)[1:4]}")
+    layers: list[tuple[str, nn.Module]] = [(b, named[b]) for b in blocks]
+    for name, module in model.named_modules():
+        inside = any(name == b or name.startswith(b + ".") for b in blocks)
+        if not inside and name and not list(module.children()):
+            layers.append((name, module))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(layers, key=lambda item: order[item[0]])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(
+    model: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+    device: torch.device,
+) -> _Tracker:
+    tracker = _Tracker({p.untyped_storage().data_ptr() for p in model.parameters()})
+    handles = []
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            _sync(device)
+            tracker.current.append(name)
+            tracker.started[name] = time.perf_counter()
+
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            _sync(device)
+            tracker.forward_s[name] = tracker.forward_s.get(name, 0.0) + time.perf_counter() - tracker.started[name]
+            tracker.current.pop()
+            if isinstance(output, torch.Tensor):
+                tracker.outputs[name] = output.numel() * output.element_size()
+
+        return hook
+
+    def bw_pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, grad_output: object) -> None:
+            _sync(device)
+            tracker.started["bw:" + name] = time.perf_counter()
+
+        return hook
+
+    def bw_post(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, grad_input: object, grad_output: object) -> None:
+            _sync(device)
+            elapsed = time.perf_counter() - tracker.started.get("bw:" + name, time.perf_counter())
+            tracker.backward_s[name] = tracker.backward_s.get(name, 0.0) + elapsed
+
+        return hook
+
+    for name, module in layers:
+        handles += [
+            module.register_forward_pre_hook(pre(name)),
+            module.register_forward_hook(post(name)),
+            module.register_full_backward_pre_hook(bw_pre(name)),
+            module.register_full_backward_hook(bw_post(name)),
+        ]
+    try:
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
+            loss = loss_fn(model(inputs.to(device)), targets.to(device))
+        with warnings.catch_warnings():  # the first layer's inputs need no grad; its hook still times it
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss.backward()
+        _sync(device)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+    return tracker
+
+
+def profile_model(
+    model: nn.Module,
+    sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    batches: tuple[int, int] = (4, 8),
+    blocks: Sequence[str] = (),
+    device: torch.device | str = "cpu",
+) -> ModelProfile:
+    """Profile ``model`` on ``device``; ``sample(n)`` returns a batch of ``n`` (inputs, targets)."""
+    small, large = batches
+    if not 0 < small < large:
+        raise ValueError(f"need two batch sizes 0 < b1 < b2, got {batches}")
+    device = torch.device(device)
+    model = model.to(device).train()
+    layers = layer_modules(model, blocks)
+    if not layers:
+        raise ValueError("the model has no layers to profile")
+    _measure(model, layers, *sample(small), loss_fn, device)  # warm-up: allocator, kernels, lazy init
+    a = _measure(model, layers, *sample(small), loss_fn, device)
+    b = _measure(model, layers, *sample(large), loss_fn, device)
+    profiles = []
+    for name, module in layers:
+        slope = (b.saved.get(name, 0) - a.saved.get(name, 0)) / (large - small)
+        out_slope = (b.outputs.get(name, 0) - a.outputs.get(name, 0)) / (large - small)
+        params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        profiles.append(
+            LayerProfile(
+                name=name,
+                param_bytes=params,
+                saved_bytes_per_sample=slope,
+                saved_bytes_fixed=max(0.0, a.saved.get(name, 0) - slope * small),
+                output_bytes_per_sample=out_slope,
+                forward_s=b.forward_s.get(name, 0.0),
+                backward_s=b.backward_s.get(name, 0.0),
+            )
+        )
+    return ModelProfile(tuple(profiles), large, str(device))

@@ -1,0 +1,288 @@
+"""The memory planner: profile, swap-out/in, recompute, swap-or-recompute plan, largest batch."""
+
+import math
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from coordinator.config import parse_config
+from coordinator.errors import ConfigError
+from coordinator.memory_plan import MemoryBudget, Policy, max_batch, parse_bytes, plan_for_batch, s15_max_batch
+from coordinator.plan import make_plan
+from coordinator.planning import describe, plan_job
+from protos.profiler import LayerProfile, ModelProfile, profile_model
+from tests.helpers import classification_set
+from worker.offload import SwapToHost, apply_layer_policies
+
+CE = nn.functional.cross_entropy
+
+
+def mlp(d_in=32, hidden=48, classes=5, depth=2):
+    torch.manual_seed(0)
+    layers = [nn.Linear(d_in, hidden), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(hidden, classes))
+
+
+def conv():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(512, 10))
+
+
+def mlp_batch(n):
+    return torch.randn(n, 32), torch.randint(0, 5, (n,))
+
+
+def conv_batch(n):
+    return torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,))
+
+
+# ------------------------------------------------------------------ profiler
+
+
+def test_mlp_profile_matches_closed_form():
+    profile = profile_model(mlp(), mlp_batch, CE, batches=(3, 7))
+    per_layer = {layer.name: layer.saved_bytes_per_sample for layer in profile.layers}
+    # Linear saves its input; ReLU its output; the next Linear's input is that same storage (counted once)
+    assert per_layer == {"0": 32 * 4, "1": 48 * 4, "2": 0, "3": 48 * 4, "4": 0}
+    assert all(layer.saved_bytes_fixed == 0 for layer in profile.layers)
+    assert [layer.param_bytes for layer in profile.layers] == [
+        (32 * 48 + 48) * 4,
+        0,
+        (48 * 48 + 48) * 4,
+        0,
+        (48 * 5 + 5) * 4,
+    ]
+    assert [layer.output_bytes_per_sample for layer in profile.layers] == [192, 192, 192, 192, 20]
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
+
+
+def test_conv_profile_matches_closed_form():
+    profile = profile_model(conv(), conv_batch, CE, batches=(2, 5))
+    per_layer = {layer.name: layer.saved_bytes_per_sample for layer in profile.layers}
+    assert per_layer == {
+        "0": 3 * 16 * 16 * 4,  # conv input
+        "1": 8 * 16 * 16 * 4,  # relu output
+        "2": 8 * 8 * 8 * 8,  # max-pool indices (int64); its input is the relu output, already counted
+        "3": 0,  # flatten is a view
+        "4": 8 * 8 * 8 * 4,  # linear input: the pooled map
+    }
+
+
+def test_profile_per_sample_is_a_slope_independent_of_the_batches():
+    a = profile_model(mlp(), mlp_batch, CE, batches=(2, 5))
+    b = profile_model(mlp(), mlp_batch, CE, batches=(4, 16))
+    assert [la.saved_bytes_per_sample for la in a.layers] == [lb.saved_bytes_per_sample for lb in b.layers]
+
+
+def test_blocks_are_profiled_as_one_layer():
+    model = nn.Sequential(nn.Sequential(nn.Linear(32, 48), nn.ReLU()), nn.Linear(48, 5))
+    profile = profile_model(model, mlp_batch, CE, blocks=["0"])
+    assert [layer.name for layer in profile.layers] == ["0", "1"]
+    assert profile.layers[0].saved_bytes_per_sample == (32 + 48) * 4
+    with pytest.raises(ValueError, match="unknown block"):
+        profile_model(model, mlp_batch, CE, blocks=["nope"])
+
+
+# ------------------------------------------------------------------ swap and recompute
+
+
+def gradients(model, x, y):
+    CE(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [
+        {str(i): "swap" for i in range(9)},
+        {str(i): "recompute" for i in range(0, 9, 2)},
+        {"0": "swap", "1": "swap", "2": "recompute", "4": "recompute", "5": "swap", "8": "swap"},
+    ],
+)
+def test_swap_and_recompute_give_bitwise_identical_gradients(policies):
+    x, y = mlp_batch(16)
+    reference = gradients(mlp(depth=4), x, y)
+    model = mlp(depth=4)
+    offload = SwapToHost(prefetch=2).ignore_parameters(model)
+    apply_layer_policies(model, policies, offload)
+    offload.reset()
+    assert torch.equal(gradients(model, x, y), reference)
+    if "swap" in policies.values():
+        assert offload.stats.swapped_out_bytes > 0
+        assert offload.stats.swapped_in_bytes == offload.stats.swapped_out_bytes, "each storage comes back once"
+        assert offload.stats.prefetched > 0
+
+
+def test_saved_tensors_do_not_stay_on_the_device_during_forward():
+    """Without swap autograd keeps every saved activation alive; with it, at most the window does."""
+    x, y = mlp_batch(64)
+
+    def alive_after_forward(swap: bool) -> tuple[int, int]:
+        model = mlp(depth=6)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        refs: list[tuple[weakref.ref, int]] = []
+
+        def watch(tensor):
+            if tensor.untyped_storage().data_ptr() not in params:
+                refs.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
+            return tensor
+
+        offload = SwapToHost(prefetch=2).ignore_parameters(model)
+        if swap:
+            apply_layer_policies(model, {name: "swap" for name, _ in model.named_children()}, offload)
+            offload.reset()
+        with torch.autograd.graph.saved_tensors_hooks(watch, lambda t: t):
+            out = model(x)
+        alive = sum(size for ref, size in refs if ref() is not None and ref() is not out)
+        total = sum(size for _, size in refs)
+        return alive, total
+
+    alive_plain, total = alive_after_forward(swap=False)
+    alive_swap, _ = alive_after_forward(swap=True)
+    one_layer = 64 * 48 * 4
+    assert alive_plain >= total - 64 * 32 * 4  # everything but the caller's own input stays alive
+    assert alive_swap <= one_layer * (1 + 2), f"{alive_swap} bytes of saved tensors stayed behind"
+
+
+def test_unknown_layer_or_policy_is_rejected():
+    with pytest.raises(ValueError, match="does not have"):
+        apply_layer_policies(mlp(), {"9": "swap"}, SwapToHost())
+    with pytest.raises(ValueError, match="unknown policy"):
+        apply_layer_policies(mlp(), {"0": "offload"}, SwapToHost())
+
+
+# ------------------------------------------------------------------ planner
+
+
+def synthetic(layers=24, per_sample=1000.0, forward_s=1e-3, params=4000):
+    return ModelProfile(
+        tuple(
+            LayerProfile(str(i), params, per_sample, 0.0, per_sample, forward_s, 2 * forward_s) for i in range(layers)
+        ),
+        batch=32,
+        device="cpu",
+    )
+
+
+def test_plan_fits_the_budget_and_the_next_batch_does_not():
+    profile = synthetic()
+    budget = MemoryBudget(device_bytes=50_000_000, bandwidth_bytes_per_s=1e12)
+    best = max_batch(profile, budget, allow_swap=True)
+    assert plan_for_batch(profile, best, budget).fits and not plan_for_batch(profile, best + 1, budget).fits
+    no_swap = max_batch(profile, budget, allow_swap=False)
+    assert plan_for_batch(profile, no_swap, budget, allow_swap=False).fits
+    assert not plan_for_batch(profile, no_swap + 1, budget, allow_swap=False).fits
+    assert best / no_swap >= 4, "a 24-layer model must gain at least 4x from swapping"
+    assert s15_max_batch(profile, budget.device_bytes) == 50_000
+
+
+def test_everything_is_kept_when_it_fits():
+    plan = plan_for_batch(synthetic(), 8, MemoryBudget(10**9, 1e10))
+    assert plan.fits and plan.policies() == {}
+
+
+def test_swap_is_preferred_while_it_hides_behind_compute():
+    profile = synthetic()
+    plan = plan_for_batch(profile, 1000, MemoryBudget(10_000_000, bandwidth_bytes_per_s=1e12))
+    assert plan.fits and set(plan.policies().values()) == {"swap"}
+    assert plan.swap_s <= plan.overlap_budget_s
+
+
+def test_recompute_takes_over_when_swapping_would_not_hide():
+    profile = synthetic()
+    slow = MemoryBudget(10_000_000, bandwidth_bytes_per_s=1e6)  # a swap costs far more than the whole step
+    plan = plan_for_batch(profile, 1000, slow)
+    assert plan.fits and Policy.RECOMPUTE.value in plan.policies().values()
+    assert plan.swap_s <= plan.overlap_budget_s or "swap" not in plan.policies().values()
+
+
+def test_nothing_fits_reports_zero():
+    assert max_batch(synthetic(params=10**9), MemoryBudget(10**6, 1e10), allow_swap=True) == 0
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("12GB/s") == 12 * 10**9 and parse_bytes("1e3") == 1000
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+# ------------------------------------------------------------------ job planning and LR
+
+
+RAW = {
+    "model": {"factory": "tests.helpers:odd_mlp"},
+    "data": {"factory": "tests.helpers:classification_set", "kwargs": {"n": 64}},
+    "cluster": {"workers": 2, "devices_per_worker": 2},
+}
+
+
+def job_plan(**sections):
+    cfg = parse_config({**RAW, **sections})
+    from coordinator.model_state import ModelState
+
+    model = ModelState(cfg)
+    return plan_job(cfg, model.model, classification_set(64), model.layout.total)
+
+
+def test_auto_batch_takes_the_largest_that_fits_capped_by_the_user():
+    plan = job_plan(batch={"per_device": "auto"}, memory={"device_memory": "64KiB", "bandwidth": "10GB/s"})
+    assert plan.plan.per_device_batch == plan.max_batch_with_plan > 0
+    assert plan.memory is not None and plan.memory.fits
+    capped = job_plan(batch={"per_device": "auto", "max_per_device": 3}, memory={"device_memory": "64KiB"})
+    assert capped.plan.per_device_batch == 3 and capped.plan.global_batch == 12
+    text = describe(plan)
+    assert "max per-device batch: without swap" in text and "S1.5 formula" in text and "estimated PS memory" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU to plan for")
+def test_auto_batch_without_a_gpu_needs_the_device_memory():
+    with pytest.raises(ConfigError, match="memory.device_memory"):
+        job_plan(batch={"per_device": "auto"})
+
+
+@pytest.mark.parametrize(
+    "optimizer, scaling, factor",
+    [
+        ("sgd", "auto", 4.0),
+        ("adam", "auto", 2.0),
+        ("adamw", "auto", 2.0),
+        ("adam", "linear", 4.0),
+        ("sgd", "none", 1.0),
+    ],
+)
+def test_lr_rules(optimizer, scaling, factor):
+    plan = make_plan(
+        parse_config(
+            {**RAW, "optimizer": {"name": optimizer, "lr": 0.1}, "batch": {"per_device": 8, "lr_scaling": scaling}}
+        )
+    )
+    assert plan.scaled_lr == pytest.approx(0.1 * factor) and math.isclose(plan.lr_factor, factor)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_planned_batch_stays_under_budget_where_keeping_everything_runs_out():
+    device = torch.device("cuda", 0)
+    model = mlp(d_in=32, hidden=4096, depth=24).to(device)
+    profile = profile_model(model, mlp_batch, CE, batches=(8, 16), device=device)
+    budget = MemoryBudget(device_bytes=int(torch.cuda.memory_allocated(device) + (1 << 30)), bandwidth_bytes_per_s=20e9)
+    batch = max_batch(profile, budget, allow_swap=True)
+    plan = plan_for_batch(profile, batch, budget)
+    assert batch > max_batch(profile, budget, allow_swap=False)
+    torch.cuda.set_per_process_memory_fraction(budget.device_bytes / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        offload = SwapToHost().ignore_parameters(model)
+        apply_layer_policies(model, plan.policies(), offload)
+        offload.reset()
+        torch.cuda.reset_peak_memory_stats(device)
+        x, y = mlp_batch(batch)
+        CE(model(x.to(device)), y.to(device)).backward()
+        assert torch.cuda.max_memory_allocated(device) <= budget.device_bytes
+        plain = mlp(d_in=32, hidden=4096, depth=24).to(device)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            CE(plain(x.to(device)), y.to(device)).backward()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -1,0 +1,245 @@
+"""Swap-out of saved activations to host memory and swap-in for backward (SPEC S1.4, S3.2).
+
+While a layer marked "swap" runs forward, every tensor it saves for backward is copied to
+host memory as soon as it is produced, on a side CUDA stream, and the device copy is let go.
+Backward consumes saved tensors in reverse order, so when it asks for tensor ``i`` the hook
+also starts copying ``i-1 … i-prefetch`` back on the side stream: the GPU rarely waits for a
+copy it could have had earlier (``torch.autograd.graph.save_on_cpu`` neither overlaps nor
+prefetches). Pinned host memory is capped; past the cap the hook falls back to pageable
+memory deliberately, with one warning. On a CPU "device" the very same code runs (the copies
+are host-to-host), so CI exercises it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PINNED_LIMIT_BYTES = 4 << 30
+
+
+@dataclass
+class _Saved:
+    host: torch.Tensor
+    device: torch.device
+    on_device: torch.Tensor | None = None  # the original until its copy is done, or the prefetched copy
+    ready: torch.cuda.Event | None = None
+    uses: int = 1  # how many saved slots refer to this tensor; it stays until the last is unpacked
+
+
+@dataclass
+class OffloadStats:
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    prefetched: int = 0
+    pageable_fallbacks: int = 0
+    resident_bytes: int = 0  # saved-tensor bytes this hook holds on the device right now
+    peak_resident_bytes: int = 0
+    forward_peak_resident_bytes: int = 0
+
+
+@dataclass
+class SwapToHost:
+    """``saved_tensors_hooks`` pair that keeps saved activations in host memory between passes."""
+
+    prefetch: int = 2
+    pinned_limit_bytes: int = DEFAULT_PINNED_LIMIT_BYTES
+    min_bytes: int = 0  # tensors smaller than this stay where they are
+    stats: OffloadStats = field(default_factory=OffloadStats)
+
+    def __post_init__(self) -> None:
+        self._saved: list[_Saved] = []
+        # Dedupe of a tensor saved twice. A hit counts only while the first tensor is alive: once
+        # it is freed, the allocator may give its address to a new tensor of the same shape.
+        self._by_storage: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], tuple[int, Any]] = {}
+        self._pinned_bytes = 0
+        self._warned = False
+        self._stream: torch.cuda.Stream | None = None
+        self._param_ptrs: set[int] = set()
+        self._in_forward = True
+
+    # -------------------------------------------------------------- set-up
+
+    def ignore_parameters(self, model: nn.Module) -> SwapToHost:
+        """Parameters are saved for backward too, but they live on the device anyway."""
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return self
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def reset(self) -> None:
+        """Forget the last step's tensors; call before each forward."""
+        self._saved.clear()
+        self._by_storage.clear()
+        self._pinned_bytes = 0
+        self._in_forward = True
+        self.stats.resident_bytes = 0
+
+    # -------------------------------------------------------------- forward
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        nbytes = tensor.numel() * tensor.element_size()
+        storage_ptr = tensor.untyped_storage().data_ptr()
+        if storage_ptr in self._param_ptrs or nbytes < self.min_bytes or tensor.is_sparse:
+            return tensor
+        key = (storage_ptr, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        hit = self._by_storage.get(key)
+        if hit is not None and hit[1]() is not None:  # the same live tensor saved twice: one copy
+            index = hit[0]
+            self._saved[index].uses += 1
+            return index
+        host = self._host_buffer(tensor)
+        entry = _Saved(host, tensor.device)
+        if tensor.device.type == "cuda":
+            stream = self._side_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(stream)
+            tensor.record_stream(stream)
+            entry.on_device = tensor  # held until the copy is known to be done
+            self._track(nbytes)
+        else:
+            host.copy_(tensor)
+        self.stats.swapped_out_bytes += nbytes
+        self._saved.append(entry)
+        index = len(self._saved) - 1
+        self._by_storage[key] = (index, weakref.ref(tensor))
+        self._release_finished_copies()
+        return index
+
+    def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        pin = tensor.device.type == "cuda" and self._pinned_bytes + nbytes <= self.pinned_limit_bytes
+        if tensor.device.type == "cuda" and not pin:
+            self.stats.pageable_fallbacks += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "pinned host memory for swapped activations reached its cap of %.1f GiB; "
+                    "further swaps use pageable memory (slower copies)",
+                    self.pinned_limit_bytes / 2**30,
+                )
+        if pin:
+            self._pinned_bytes += nbytes
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+
+    def _release_finished_copies(self) -> None:
+        for entry in self._saved:
+            if entry.on_device is not None and entry.ready is not None and self._in_forward and entry.ready.query():
+                self._track(-entry.on_device.numel() * entry.on_device.element_size())
+                entry.on_device = None
+
+    # -------------------------------------------------------------- backward
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if self._in_forward:
+            self._in_forward = False
+            self.stats.forward_peak_resident_bytes = self.stats.peak_resident_bytes
+            for entry in self._saved:  # forward is over: any copy still in flight must land
+                if entry.on_device is not None and entry.ready is not None:
+                    entry.ready.synchronize()
+                    self._track(-entry.on_device.numel() * entry.on_device.element_size())
+                    entry.on_device = None
+        entry = self._saved[packed]
+        tensor = self._bring_back(entry)
+        for ahead in range(packed - 1, max(-1, packed - 1 - self.prefetch), -1):
+            if self._saved[ahead].on_device is None:
+                self._bring_back(self._saved[ahead], prefetch=True)
+        if entry.ready is not None:
+            torch.cuda.current_stream(entry.device).wait_event(entry.ready)
+            tensor.record_stream(torch.cuda.current_stream(entry.device))
+        entry.uses -= 1
+        if entry.uses == 0:
+            entry.on_device = None  # autograd owns it now; it is freed after this node's backward
+            if entry.device.type == "cuda":
+                self._track(-tensor.numel() * tensor.element_size())
+        return tensor
+
+    def _bring_back(self, entry: _Saved, prefetch: bool = False) -> torch.Tensor:
+        if entry.on_device is not None:
+            return entry.on_device
+        nbytes = entry.host.numel() * entry.host.element_size()
+        if entry.device.type == "cuda":
+            stream = self._side_stream(entry.device)
+            with torch.cuda.stream(stream):
+                tensor = entry.host.to(entry.device, non_blocking=True)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(stream)
+            self._track(nbytes)
+        else:
+            tensor = entry.host.clone()
+        entry.on_device = tensor
+        self.stats.swapped_in_bytes += nbytes
+        if prefetch:
+            self.stats.prefetched += 1
+        return tensor
+
+    # -------------------------------------------------------------- helpers
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _track(self, delta: int) -> None:
+        self.stats.resident_bytes += delta
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
+
+
+def apply_layer_policies(model: nn.Module, policies: dict[str, str], offload: SwapToHost) -> list[Any]:
+    """Make the named layers swap (``"swap"``) or recompute (``"recompute"``) in place.
+
+    Swap layers run their forward inside ``offload``'s hooks; recompute layers run under
+    ``torch.utils.checkpoint`` (non-reentrant). The module tree and parameter names do not
+    change, so the flat parameter layout stays the same. Returns the hook handles.
+    """
+    named = dict(model.named_modules())
+    handles: list[Any] = []
+    for name, policy in policies.items():
+        if name not in named:
+            raise ValueError(f"the plan names layer {name!r}, which the model does not have")
+        module = named[name]
+        if policy == "swap":
+            handles += _swap_hooks(module, offload)
+        elif policy == "recompute":
+            _recompute(module)
+        elif policy != "keep":
+            raise ValueError(f"unknown policy {policy!r} for layer {name!r}: use keep, swap or recompute")
+    return handles
+
+
+def _swap_hooks(module: nn.Module, offload: SwapToHost) -> list[Any]:
+    contexts: list[Any] = []
+
+    def enter(mod: nn.Module, args: object) -> None:
+        ctx = offload.hooks()
+        ctx.__enter__()
+        contexts.append(ctx)
+
+    def leave(mod: nn.Module, args: object, output: object) -> None:
+        contexts.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+
+def _recompute(module: nn.Module) -> None:
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed  # type: ignore[method-assign]
