@@ -188,14 +188,32 @@ class MemoryConfig:
     """Module names profiled and planned as one layer each (e.g. transformer blocks)."""
     profile_batches: list[int] = field(default_factory=lambda: [4, 8])
     """The two batch sizes whose difference gives the per-sample figures."""
+    probe: bool = False
+    """Before the other workers start, worker 0 runs one real iteration and reports its peak (S2.1)."""
+    estimate: str = "factor"
+    """How the probe's peak becomes every worker's memory (S2.2): factor, increment or iterative."""
+    factor: float = 1.25
+    increment: str = "1GiB"
+    target_utilization: float = 0.85
+    """Iterative mode: accept a limit once the probe's peak uses at most this fraction of it."""
+    max_probe_rounds: int = 4
+    """Shrink-and-probe-again rounds before the job fails."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.margin < 1, "memory.margin", f"must be in [0, 1), got {self.margin}")
         _require(self.policy in MEMORY_POLICIES, "memory.policy", f"{self.policy!r} is not one of auto, keep, swap")
         _require(self.prefetch >= 0, "memory.prefetch", "must be non-negative")
+        _require(
+            self.estimate in ("factor", "increment", "iterative"),
+            "memory.estimate",
+            f"{self.estimate!r} is not one of factor, increment, iterative",
+        )
+        _require(self.factor >= 1, "memory.factor", f"must be at least 1, got {self.factor}")
+        _require(0 < self.target_utilization <= 1, "memory.target_utilization", "must be in (0, 1]")
+        _require(self.max_probe_rounds >= 1, "memory.max_probe_rounds", "must be at least 1")
         b = self.profile_batches
         _require(len(b) == 2 and 0 < b[0] < b[1], "memory.profile_batches", f"must be two sizes b1 < b2, got {b}")
-        for key in ("device_memory", "bandwidth", "pinned_limit"):
+        for key in ("device_memory", "bandwidth", "pinned_limit", "increment"):
             value = getattr(self, key)
             if value is not None:
                 try:

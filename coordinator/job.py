@@ -2,7 +2,9 @@
 
 States (``JobState``)::
 
-    WAITING --every PS shard ready and every worker registered--> RUNNING
+    WAITING --every PS shard ready and worker 0 registered, probe on--> PROBING
+    PROBING --the probe fits (batch shrunk and re-planned until it does)--> WAITING
+    WAITING --every PS shard ready, every worker registered, probe done or off--> RUNNING
     RUNNING --every worker reported the last step--> EXPORTING
     EXPORTING --model.pt written--> FINISHED
     any --a member silent past the heartbeat timeout, or the export failed--> FAILED
@@ -26,6 +28,7 @@ import torch
 
 from coordinator.data_shards import DataShardAssignment, DataShardTracker
 from coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from coordinator.memory_estimate import EstimateMode, EstimatePolicy, IterativeEstimate, Probe, estimate, shrunk_batch
 from coordinator.model_state import ModelState
 from coordinator.plan import Plan
 from protos import pstrain_pb2 as pb
@@ -39,6 +42,7 @@ Exporter = Callable[[list[str], int], torch.Tensor]
 
 class JobState(enum.IntEnum):
     WAITING = pb.WAITING
+    PROBING = pb.PROBING
     RUNNING = pb.RUNNING
     EXPORTING = pb.EXPORTING
     FINISHED = pb.FINISHED
@@ -74,6 +78,25 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class ProbeSetup:
+    """What the coordinator needs to judge the master's probe (S2.1-S2.3)."""
+
+    device_bytes: int | None  # None: no budget known, any peak is accepted
+    margin: float
+    policy: EstimatePolicy
+    replan: Callable[[int], tuple[Plan, pb.JobSpec]]  # a smaller batch -> its plan and spec
+    max_rounds: int = 4
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    done: bool
+    spec: pb.JobSpec
+    limit_bytes: int
+    message: str
+
+
+@dataclass(frozen=True)
 class Directive:
     stop: bool
     state: JobState
@@ -92,6 +115,7 @@ class Job:
         exporter: Exporter,
         heartbeat_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        probe: ProbeSetup | None = None,
     ) -> None:
         self.job_id = job_id
         self.plan = plan
@@ -106,6 +130,12 @@ class Job:
         self.state = JobState.WAITING
         self.message = "waiting for members"
         self.metrics_address = ""  # set by the process that serves the job
+        self._probe = probe
+        self._probe_done = probe is None
+        self._probe_rounds = 0
+        self._iterative: IterativeEstimate | None = None
+        self.worker_device_bytes = 0  # S2.2 estimates, once the probe is accepted
+        self.worker_host_bytes = 0
         self._ps: dict[int, Member] = {}
         self._workers: dict[int, Member] = {}
         self._reports: dict[int, dict[int, pb.StepReport]] = {}
@@ -172,27 +202,94 @@ class Job:
             self._maybe_start()
             return worker_id
 
+    def _ps_ready(self) -> bool:
+        return len(self._ps) == len(self.ranges) and all(m.ready for m in self._ps.values())
+
     def _maybe_start(self) -> None:
-        ps_ready = len(self._ps) == len(self.ranges) and all(m.ready for m in self._ps.values())
-        if self.state == JobState.WAITING and ps_ready and len(self._workers) == self.plan.workers:
+        ps_ready = self._ps_ready()
+        if self.state == JobState.WAITING and ps_ready and not self._probe_done and 0 in self._workers:
+            self.state = JobState.PROBING
+            self.message = "worker 0 is probing one iteration"
+            log.info("PS ready: worker 0 probes one iteration at batch %d", self.plan.per_device_batch)
+        if self.state == JobState.WAITING and ps_ready and self._probe_done and len(self._workers) == self.plan.workers:
             self.state = JobState.RUNNING
             self.message = "training"
             self._last_completion = self._clock()
             log.info("all members ready: %s", self.plan.describe())
         self._cond.notify_all()
 
-    def wait_for_cluster(self, timeout_s: float) -> list[str]:
-        """Block until every PS shard serves; return their addresses in shard order."""
-        deadline = self._clock() + timeout_s
+    def wait_for_cluster(self, timeout_s: float, worker_id: int = -1) -> tuple[list[str], pb.JobSpec, bool]:
+        """Block until every PS shard serves and the spec is final (the probe is done).
+
+        Returns the PS addresses in shard order, the spec, and whether this worker must probe
+        first (worker 0 while the job is PROBING).
+        """
+        deadline = time.monotonic() + timeout_s  # a real wait: the injected clock is for liveness
         with self._cond:
-            while not (len(self._ps) == len(self.ranges) and all(m.ready for m in self._ps.values())):
+            while True:
                 self._check_not_over()
-                remaining = deadline - self._clock()
+                probing_master = worker_id == 0 and self.state == JobState.PROBING
+                if self._ps_ready() and (self._probe_done or probing_master):
+                    break
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [i for i in range(len(self.ranges)) if not (i in self._ps and self._ps[i].ready)]
-                    raise WrongState(f"PS shards {missing} are not ready yet")
+                    raise WrongState(f"PS shards {missing} are not ready yet" if missing else "the probe is not done")
                 self._cond.wait(min(remaining, 1.0))
-            return [self._ps[i].address for i in range(len(self.ranges))]
+            addresses = [self._ps[i].address for i in range(len(self.ranges))]
+            return addresses, self.spec, probing_master
+
+    def report_probe(self, report: pb.ProbeReport) -> ProbeOutcome:
+        """Judge the master's probe: shrink and re-plan, run an iterative trial, or accept."""
+        with self._cond:
+            if report.worker_id != 0 or self.state != JobState.PROBING or self._probe is None:
+                raise WrongState(f"no probe expected from worker {report.worker_id} while the job is {self.state.name}")
+            setup = self._probe
+            probe = Probe(report.per_device_batch, report.device_peak_bytes, report.host_peak_bytes, report.limit_bytes)
+            log.info(
+                "probe at batch %d: device peak %d B, host peak %d B",
+                probe.batch,
+                probe.device_peak_bytes,
+                probe.host_peak_bytes,
+            )
+            if probe.limit_bytes == 0 and setup.device_bytes and probe.device_peak_bytes > setup.device_bytes:
+                self._probe_rounds += 1
+                if self._probe_rounds >= setup.max_rounds:
+                    self.fail(
+                        f"batch {probe.batch} still needs {probe.device_peak_bytes} B of {setup.device_bytes} "
+                        f"after {self._probe_rounds} probes; lower batch.per_device"
+                    )
+                    raise WrongState(self.message)
+                batch = shrunk_batch(probe.batch, probe.device_peak_bytes, setup.device_bytes, setup.margin)
+                self.plan, self.spec = setup.replan(batch)
+                message = (
+                    f"peak {probe.device_peak_bytes} B exceeds {setup.device_bytes} B: probing again at batch {batch}"
+                )
+                log.warning("%s", message)
+                return ProbeOutcome(False, self.spec, 0, message)
+            if setup.policy.mode == EstimateMode.ITERATIVE:
+                if self._iterative is None:
+                    self._iterative = IterativeEstimate(setup.policy, probe.device_peak_bytes)
+                    self.worker_host_bytes = estimate(setup.policy, probe.host_peak_bytes)
+                    return ProbeOutcome(False, self.spec, self._iterative.limit, "trial under a limit")
+                following = self._iterative.next_limit(probe)
+                if following is not None:
+                    return ProbeOutcome(False, self.spec, following, f"utilisation {probe.utilization:.0%}: raise")
+                self.worker_device_bytes = self._iterative.limit
+            else:
+                self.worker_device_bytes = estimate(setup.policy, probe.device_peak_bytes)
+                self.worker_host_bytes = estimate(setup.policy, probe.host_peak_bytes)
+            self._probe_done = True
+            self.state = JobState.WAITING
+            self.message = "waiting for members"
+            log.info(
+                "probe accepted at batch %d: each worker needs about %d B of device and %d B of host memory",
+                self.plan.per_device_batch,
+                self.worker_device_bytes,
+                self.worker_host_bytes,
+            )
+            self._maybe_start()
+            return ProbeOutcome(True, self.spec, 0, "accepted")
 
     # ------------------------------------------------------------------ data
 
@@ -277,8 +374,8 @@ class Job:
             with self._cond:
                 addresses = [self._ps[i].address for i in range(len(self.ranges))]
                 if any(True for _ in self.model.model.buffers()):
-                    deadline = self._clock() + self._heartbeat_timeout_s
-                    while self._buffers is None and self._clock() < deadline:
+                    deadline = time.monotonic() + self._heartbeat_timeout_s
+                    while self._buffers is None and time.monotonic() < deadline:
                         self._cond.wait(1.0)
                 buffers = self._buffers or {}
             flat = self._exporter(addresses, self.plan.steps)
@@ -400,6 +497,8 @@ class Job:
                 message=self.message,
                 metrics_address=self.metrics_address,
                 global_lr=self.plan.scaled_lr,
+                worker_device_memory_bytes=self.worker_device_bytes,
+                worker_host_memory_bytes=self.worker_host_bytes,
             )
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from coordinator.job import Job, JobState
 from coordinator.metrics import register_job_metrics
 from coordinator.model_state import ModelState
 from coordinator.plan import job_spec
-from coordinator.planning import describe, plan_job
+from coordinator.planning import describe, plan_job, probe_setup
 from coordinator.service import CoordinatorServicer
 from protos import pstrain_pb2_grpc as pb_grpc
 from protos.factories import FactoryError, build_dataset
@@ -62,6 +62,7 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         raise ConfigError(f"batch.per_device: {plan.per_device_batch} exceeds the dataset's {dataset_size} samples")
     job_id = f"{cfg.job.name}-{uuid.uuid4().hex[:8]}"
     spec = job_spec(cfg, plan, model.layout, job_id, job_plan.layer_policies())
+    probe = probe_setup(cfg, job_plan, lambda p, policies: job_spec(cfg, p, model.layout, job_id, policies))
     tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed)
 
     def export(addresses: list[str], version: int) -> torch.Tensor:
@@ -75,7 +76,7 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         finally:
             client.close()
 
-    return Job(job_id, plan, spec, model, tracker, out_dir, export, cfg.transport.heartbeat_timeout_s)
+    return Job(job_id, plan, spec, model, tracker, out_dir, export, cfg.transport.heartbeat_timeout_s, probe=probe)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -139,7 +139,7 @@ def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allo
     return MemoryPlan(batch, decisions, peak_bytes(profile, batch, policies, budget), budget, overlap)
 
 
-def max_batch(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 24) -> int:
+def max_batch(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40) -> int:
     """The largest batch whose plan fits (0 if not even one sample fits)."""
     if not plan_for_batch(profile, 1, budget, allow_swap).fits:
         return 0

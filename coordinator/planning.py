@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from torch.utils.data import Dataset, default_collate
 
 from coordinator.config import JobConfig
 from coordinator.errors import ConfigError
+from coordinator.job import ProbeSetup
+from coordinator.memory_estimate import EstimateMode, EstimatePolicy
 from coordinator.memory_plan import (
     MemoryBudget,
     MemoryPlan,
@@ -26,6 +29,7 @@ from coordinator.memory_plan import (
     s15_max_batch,
 )
 from coordinator.plan import Plan, make_plan
+from protos import pstrain_pb2 as pb
 from protos.factories import resolve_loss
 from protos.profiler import ModelProfile, profile_model
 
@@ -197,3 +201,28 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} TiB"
+
+
+def probe_setup(
+    cfg: JobConfig, job_plan: JobPlan, spec_for: Callable[[Plan, dict[str, str]], pb.JobSpec]
+) -> ProbeSetup | None:
+    """How the coordinator judges the master's probe; None when ``memory.probe`` is off."""
+    if not cfg.memory.probe:
+        return None
+    memory = job_plan.memory
+
+    def replan(batch: int) -> tuple[Plan, pb.JobSpec]:
+        plan = make_plan(cfg, batch)
+        policies: dict[str, str] = {}
+        if job_plan.profile is not None and memory is not None:
+            policies = plan_for_batch(job_plan.profile, batch, memory.budget, cfg.memory.policy != "keep").policies()
+        return plan, spec_for(plan, policies)
+
+    policy = EstimatePolicy(
+        EstimateMode(cfg.memory.estimate),
+        cfg.memory.factor,
+        parse_bytes(cfg.memory.increment),
+        cfg.memory.target_utilization,
+    )
+    device_bytes = memory.budget.device_bytes if memory is not None else None
+    return ProbeSetup(device_bytes, cfg.memory.margin, policy, replan, cfg.memory.max_probe_rounds)

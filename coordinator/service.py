@@ -65,8 +65,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @translate
     def WaitForCluster(self, request: pb.WaitForClusterRequest, context: grpc.ServicerContext) -> pb.ClusterView:
         remaining = context.time_remaining()
-        addresses = self.job.wait_for_cluster(DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining)
-        return pb.ClusterView(ps_addresses=addresses, state=self.job.state.name)
+        timeout = DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining
+        addresses, spec, probe = self.job.wait_for_cluster(timeout, request.worker_id)
+        return pb.ClusterView(ps_addresses=addresses, state=self.job.state.name, job=spec, probe=probe)
+
+    @translate
+    def ReportProbe(self, request: pb.ProbeReport, context: grpc.ServicerContext) -> pb.ProbeVerdict:
+        outcome = self.job.report_probe(request)
+        return pb.ProbeVerdict(
+            done=outcome.done, job=outcome.spec, limit_bytes=outcome.limit_bytes, message=outcome.message
+        )
 
     @translate
     def RequestDataShard(self, request: pb.DataShardRequest, context: grpc.ServicerContext) -> pb.DataShard:

@@ -29,6 +29,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXPORTING: _ClassVar[JobState]
     FINISHED: _ClassVar[JobState]
     FAILED: _ClassVar[JobState]
+    PROBING: _ClassVar[JobState]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -46,6 +47,7 @@ RUNNING: JobState
 EXPORTING: JobState
 FINISHED: JobState
 FAILED: JobState
+PROBING: JobState
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data")
@@ -295,16 +297,48 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
 
 class WaitForClusterRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("ps_addresses", "state")
+    __slots__ = ("ps_addresses", "state", "job", "probe")
     PS_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     ps_addresses: _containers.RepeatedScalarFieldContainer[str]
     state: JobState
-    def __init__(self, ps_addresses: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[JobState, str]] = ...) -> None: ...
+    job: JobSpec
+    probe: bool
+    def __init__(self, ps_addresses: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[JobState, str]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., probe: _Optional[bool] = ...) -> None: ...
+
+class ProbeReport(_message.Message):
+    __slots__ = ("worker_id", "per_device_batch", "device_peak_bytes", "host_peak_bytes", "limit_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PER_DEVICE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    per_device_batch: int
+    device_peak_bytes: int
+    host_peak_bytes: int
+    limit_bytes: int
+    def __init__(self, worker_id: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_peak_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeVerdict(_message.Message):
+    __slots__ = ("done", "job", "limit_bytes", "message")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    job: JobSpec
+    limit_bytes: int
+    message: str
+    def __init__(self, done: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., limit_bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DataShardRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -407,7 +441,7 @@ class MemberStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message", "metrics_address", "global_lr")
+    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message", "metrics_address", "global_lr", "worker_device_memory_bytes", "worker_host_memory_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +456,8 @@ class JobStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_LR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -436,7 +472,9 @@ class JobStatus(_message.Message):
     message: str
     metrics_address: str
     global_lr: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ..., metrics_address: _Optional[str] = ..., global_lr: _Optional[float] = ...) -> None: ...
+    worker_device_memory_bytes: int
+    worker_host_memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ..., metrics_address: _Optional[str] = ..., global_lr: _Optional[float] = ..., worker_device_memory_bytes: _Optional[int] = ..., worker_host_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

@@ -232,6 +232,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_pstrain__pb2.StepReport.SerializeToString,
                 response_deserializer=protos_dot_pstrain__pb2.Directive.FromString,
                 _registered_method=True)
+        self.ReportProbe = channel.unary_unary(
+                '/pstrain.v1.Coordinator/ReportProbe',
+                request_serializer=protos_dot_pstrain__pb2.ProbeReport.SerializeToString,
+                response_deserializer=protos_dot_pstrain__pb2.ProbeVerdict.FromString,
+                _registered_method=True)
         self.UploadBuffers = channel.stream_unary(
                 '/pstrain.v1.Coordinator/UploadBuffers',
                 request_serializer=protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
@@ -305,6 +310,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportProbe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UploadBuffers(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -371,6 +382,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportStep,
                     request_deserializer=protos_dot_pstrain__pb2.StepReport.FromString,
                     response_serializer=protos_dot_pstrain__pb2.Directive.SerializeToString,
+            ),
+            'ReportProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProbe,
+                    request_deserializer=protos_dot_pstrain__pb2.ProbeReport.FromString,
+                    response_serializer=protos_dot_pstrain__pb2.ProbeVerdict.SerializeToString,
             ),
             'UploadBuffers': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadBuffers,
@@ -609,6 +625,33 @@ class Coordinator:
             '/pstrain.v1.Coordinator/ReportStep',
             protos_dot_pstrain__pb2.StepReport.SerializeToString,
             protos_dot_pstrain__pb2.Directive.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.Coordinator/ReportProbe',
+            protos_dot_pstrain__pb2.ProbeReport.SerializeToString,
+            protos_dot_pstrain__pb2.ProbeVerdict.FromString,
             options,
             channel_credentials,
             insecure,

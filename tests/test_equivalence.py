@@ -164,3 +164,24 @@ def test_swapping_every_layer_changes_nothing(tmp_path):
     assert "memory plan: 0=swap, 1=swap\n" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
     expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * DEVICES, momentum=0.9)
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)
+
+
+def test_the_masters_probe_does_not_disturb_training(tmp_path):
+    """S2.1: worker 0 runs one real iteration first; no parameter or sample may be affected."""
+    job = write_job(
+        tmp_path / "job.yaml",
+        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL}, "shard_size": 8},
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        batch={"per_device": PER_DEVICE, "lr_scaling": "linear"},
+        job={"steps": STEPS, "seed": 3},
+        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": DEVICES},
+        memory={"probe": True, "device_memory": "4GiB", "estimate": "increment", "increment": "64MiB"},
+    )
+    result = run_local(job, tmp_path / "out", uuid.uuid4().hex)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (tmp_path / "out" / "logs" / "coordinator.log").read_text()
+    assert "probe accepted at batch 4" in log
+    worker_logs = [(tmp_path / "out" / "logs" / f"worker-{i}.log").read_text() for i in range(WORKERS)]
+    assert sum("probe at batch 4" in text for text in worker_logs) == 1, "exactly one worker (slot 0) probes"
+    expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * DEVICES, momentum=0.9)
+    assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)

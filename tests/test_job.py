@@ -69,7 +69,7 @@ def test_membership_and_start(tmp_path):
         job.initial_parameters(0)
     assert start(job) == [0, 1]
     assert job.state == JobState.RUNNING
-    assert job.wait_for_cluster(1) == ["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"]
+    assert job.wait_for_cluster(1)[0] == ["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"]
     assert torch.equal(job.initial_parameters(1), job.model.initial[25:50])
     with pytest.raises(NoFreeSlot, match="all 2 worker slots"):
         job.register_worker("x:1", [], "h")
@@ -180,3 +180,86 @@ def test_status_counts(tmp_path):
     status = job.status()
     assert status.state == pb.RUNNING and status.global_batch == 16 and status.data_shards_doing == 1
     assert len(status.members) == 5 and all(m.alive for m in status.members)
+
+
+# ------------------------------------------------------------------ the master's probe (S2.1-S2.3)
+
+from coordinator.job import ProbeSetup  # noqa: E402
+from coordinator.memory_estimate import EstimateMode, EstimatePolicy  # noqa: E402
+from coordinator.plan import make_plan as plan_with_batch  # noqa: E402
+
+MiB = 1 << 20
+
+
+def probing_job(tmp_path, mode=EstimateMode.FACTOR, device_bytes=100 * MiB, max_rounds=4):
+    job, clock, calls, final = make_job(tmp_path)
+    cfg = parse_config(RAW)
+    replans = []
+
+    def replan(batch):
+        replans.append(batch)
+        plan = plan_with_batch(cfg, batch)
+        return plan, job_spec(cfg, plan, job.model.layout, "test-job", {"0": "swap"})
+
+    policy = EstimatePolicy(mode, factor=1.5, increment_bytes=10 * MiB, target_utilization=0.8)
+    job._probe = ProbeSetup(device_bytes, 0.1, policy, replan, max_rounds)
+    job._probe_done = False
+    return job, replans
+
+
+def probe(batch, device, host=500 * MiB, limit=0):
+    return pb.ProbeReport(
+        worker_id=0, per_device_batch=batch, device_peak_bytes=device, host_peak_bytes=host, limit_bytes=limit
+    )
+
+
+def test_probe_gates_the_other_workers_and_shrinks_until_it_fits(tmp_path):
+    job, replans = probing_job(tmp_path)
+    for i in range(3):
+        job.register_ps(i, f"127.0.0.1:{5000 + i}")
+        job.ps_ready(i)
+    assert job.register_worker("a:1", [], "h") == 0
+    assert job.state == JobState.PROBING
+    addresses, spec, must_probe = job.wait_for_cluster(1, worker_id=0)
+    assert must_probe and spec.per_device_batch == 4
+    job.register_worker("b:1", [], "h")
+    with pytest.raises(WrongState, match="the probe is not done"):
+        job.wait_for_cluster(0.05, worker_id=1)
+    with pytest.raises(WrongState, match="no probe expected from worker 1"):
+        job.report_probe(pb.ProbeReport(worker_id=1))
+    outcome = job.report_probe(probe(4, device=200 * MiB))  # twice the budget: shrink
+    assert not outcome.done and replans == [1] and outcome.spec.per_device_batch == 1
+    assert outcome.spec.layer_policies == {"0": "swap"} and outcome.spec.global_batch == 4
+    outcome = job.report_probe(probe(1, device=60 * MiB))
+    assert outcome.done and job.state == JobState.RUNNING
+    assert job.worker_device_bytes == 90 * MiB and job.worker_host_bytes == 750 * MiB  # factor 1.5
+    _, spec, must_probe = job.wait_for_cluster(1, worker_id=1)
+    assert not must_probe and spec.per_device_batch == 1
+    assert job.status().worker_device_memory_bytes == 90 * MiB
+
+
+def test_increment_mode(tmp_path):
+    job, _ = probing_job(tmp_path, EstimateMode.INCREMENT)
+    start(job)
+    assert job.report_probe(probe(4, device=60 * MiB)).done
+    assert job.worker_device_bytes == 70 * MiB and job.worker_host_bytes == 510 * MiB
+
+
+def test_iterative_mode_raises_the_limit_until_utilisation_is_under_target(tmp_path):
+    job, _ = probing_job(tmp_path, EstimateMode.ITERATIVE)
+    start(job)
+    first = job.report_probe(probe(4, device=60 * MiB))
+    assert not first.done and first.limit_bytes == 70 * MiB
+    second = job.report_probe(probe(4, device=60 * MiB, limit=70 * MiB))  # 86% > 80% target: raise
+    assert not second.done and second.limit_bytes == 80 * MiB
+    third = job.report_probe(probe(4, device=60 * MiB, limit=80 * MiB))  # 75%: accept
+    assert third.done and job.worker_device_bytes == 80 * MiB and job.state == JobState.RUNNING
+
+
+def test_a_probe_that_never_fits_fails_the_job(tmp_path):
+    job, _ = probing_job(tmp_path, max_rounds=2)
+    start(job)
+    assert not job.report_probe(probe(4, device=200 * MiB)).done
+    with pytest.raises(WrongState, match="after 2 probes"):
+        job.report_probe(probe(1, device=200 * MiB))
+    assert job.state == JobState.FAILED

@@ -286,3 +286,43 @@ def test_cuda_planned_batch_stays_under_budget_where_keeping_everything_runs_out
             CE(plain(x.to(device)), y.to(device)).backward()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_pstrain_plan_prints_the_plan(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT, write_job
+
+    job = write_job(tmp_path / "job.yaml", batch={"per_device": "auto", "max_per_device": 64})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "plan",
+            "--config",
+            str(job),
+            "--device-memory",
+            "256KiB",
+            "--bandwidth",
+            "10GB/s",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "layer" in out and "policy" in out and "device memory 256.0 KiB" in out
+    assert "max per-device batch: without swap" in out and "chosen batch" in out and "estimated PS memory" in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "plan", "--config", str(job)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if not torch.cuda.is_available():
+        assert bad.returncode == 2 and "memory.device_memory" in bad.stderr

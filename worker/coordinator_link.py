@@ -29,7 +29,10 @@ class CoordinatorLink:
         return reply
 
     def wait_for_cluster(self, timeout_s: float) -> pb.ClusterView:
-        return self._stub.WaitForCluster(pb.WaitForClusterRequest(), timeout=timeout_s)
+        return self._stub.WaitForCluster(pb.WaitForClusterRequest(worker_id=self.worker_id), timeout=timeout_s)
+
+    def report_probe(self, report: pb.ProbeReport) -> pb.ProbeVerdict:
+        return self._stub.ReportProbe(report, timeout=CONTROL_TIMEOUT_S)
 
     # ShardSource
     def request(self) -> pb.DataShard:

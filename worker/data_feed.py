@@ -50,6 +50,17 @@ class DataFeed:
             self._current = None
         return indices
 
+    def peek_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``count`` samples without consuming them (the probe trains on nothing)."""
+        while len(self._queue) < count:
+            if self._current is not None:
+                self._exhausted.append(self._current)
+            shard = self.source.request()
+            self._current = shard.shard_id
+            self._queue.extend(shard.indices)
+        batch = default_collate([self.dataset[i] for i in list(self._queue)[:count]])
+        return batch[0], batch[1]
+
     def next_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = default_collate([self.dataset[i] for i in self.next_indices(count)])
         inputs, targets = batch[0], batch[1]

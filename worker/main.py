@@ -13,9 +13,11 @@ import socket
 import threading
 
 import grpc
+import torch
 
+from protos import pstrain_pb2 as pb
 from protos import pstrain_pb2_grpc as pb_grpc
-from protos.factories import FactoryError, ParamLayout, build_dataset, build_model, resolve_loss
+from protos.factories import FactoryError, LossFn, ParamLayout, build_dataset, build_model, resolve_loss
 from protos.lifecycle import (
     add_common_flags,
     advertised_address,
@@ -32,6 +34,7 @@ from protos.transport import host_of, open_channel, start_server
 from worker.coordinator_link import CoordinatorLink
 from worker.data_feed import DataFeed
 from worker.devices import DeviceError, resolve_devices
+from worker.probe import run_probe
 from worker.replicas import MemoryPolicy, ReplicaSet
 from worker.service import WorkerServicer
 from worker.trainer import Trainer
@@ -48,6 +51,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cluster-timeout-s", type=float, default=600.0, help="how long to wait for every PS shard")
     add_common_flags(p, default_bind="0.0.0.0:0")
     return p.parse_args(argv)
+
+
+def build_replicas(job: pb.JobSpec, devices: list[torch.device], layout: ParamLayout) -> ReplicaSet:
+    memory = MemoryPolicy(dict(job.layer_policies), job.prefetch, job.pinned_limit_bytes)
+    if memory.layer_policies:
+        log.info("memory plan: %s", ", ".join(f"{k}={v}" for k, v in sorted(memory.layer_policies.items())))
+    return ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout, memory)
+
+
+def probe_until_accepted(
+    link: CoordinatorLink,
+    job: pb.JobSpec,
+    devices: list[torch.device],
+    layout: ParamLayout,
+    feed: DataFeed,
+    loss_fn: LossFn,
+) -> tuple[pb.JobSpec, ReplicaSet]:
+    """S2.1: run one real iteration, report its peak, and follow the coordinator's verdicts."""
+    limit = 0
+    while True:
+        replicas = build_replicas(job, devices, layout)
+        inputs, targets = feed.peek_batch(job.per_device_batch * len(devices))
+        device_peak, host_peak = run_probe(replicas, inputs, targets, loss_fn, limit)
+        verdict = link.report_probe(
+            pb.ProbeReport(
+                worker_id=link.worker_id,
+                per_device_batch=job.per_device_batch,
+                device_peak_bytes=device_peak,
+                host_peak_bytes=host_peak,
+                limit_bytes=limit,
+            )
+        )
+        log.info("probe at batch %d: device peak %d B -> %s", job.per_device_batch, device_peak, verdict.message)
+        if verdict.done and verdict.job == job:
+            return job, replicas
+        replicas.close()
+        job, limit = verdict.job, verdict.limit_bytes
+        if verdict.done:
+            return job, build_replicas(job, devices, layout)
 
 
 def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
@@ -115,14 +157,16 @@ def run(args: argparse.Namespace) -> int:
             name="heartbeat",
         ).start()
         cluster = link.wait_for_cluster(args.cluster_timeout_s)
-        layout_model = build_model(job.model_factory, job.model_kwargs_json)
-        layout = ParamLayout.of(layout_model)
+        job = cluster.job  # final: the probe may have changed the batch and the memory plan
+        layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))
         if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
             raise FactoryError("this host's model factory builds a different model than the coordinator's")
-        memory = MemoryPolicy(dict(job.layer_policies), job.prefetch, job.pinned_limit_bytes)
-        if memory.layer_policies:
-            log.info("memory plan: %s", ", ".join(f"{k}={v}" for k, v in sorted(memory.layer_policies.items())))
-        replicas = ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout, memory)
+        feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
+        loss_fn = resolve_loss(job.loss)
+        if cluster.probe:
+            job, replicas = probe_until_accepted(link, job, devices, layout, feed, loss_fn)
+        else:
+            replicas = build_replicas(job, devices, layout)
         ps = PsClient(
             list(cluster.ps_addresses),
             job.total_params,
@@ -131,8 +175,7 @@ def run(args: argparse.Namespace) -> int:
             job.pull_timeout_s,
             security=security,
         )
-        feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
-        trainer = Trainer(reply.worker_id, job, replicas, ps, feed, resolve_loss(job.loss), link, stop)
+        trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, stop)
         servicer.progress = trainer.progress
         server.set_serving(True)
         if args.port_file:

@@ -1,0 +1,81 @@
+"""Sizing workers from a measured probe (SPEC S2.1-S2.3) and shrinking a batch that did not fit.
+
+The master worker runs one real iteration and reports its peak memory. From the actual
+figure the coordinator estimates what every worker needs by one of S2.2's modes:
+
+* factor:    actual x factor
+* increment: actual + increment
+* iterative: limit = actual + increment; run one iteration under that limit and watch the
+             utilisation (peak / limit); accept once it is at most the target utilisation,
+             else raise the limit by the increment and try again.
+
+If the probe's real peak exceeds the device memory, the plan was wrong: the batch shrinks in
+proportion (with the margin) and is re-planned and probed again.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class EstimateMode(str, enum.Enum):
+    FACTOR = "factor"
+    INCREMENT = "increment"
+    ITERATIVE = "iterative"
+
+
+@dataclass(frozen=True)
+class EstimatePolicy:
+    mode: EstimateMode = EstimateMode.FACTOR
+    factor: float = 1.25
+    increment_bytes: int = 1 << 30
+    target_utilization: float = 0.85
+    max_trials: int = 8
+
+
+@dataclass(frozen=True)
+class Probe:
+    batch: int
+    device_peak_bytes: int
+    host_peak_bytes: int
+    limit_bytes: int = 0  # the cap of an iterative trial
+
+    @property
+    def utilization(self) -> float:
+        return self.device_peak_bytes / self.limit_bytes if self.limit_bytes else 0.0
+
+
+class IterativeEstimate:
+    """The S2.2(c) loop as a state machine the coordinator drives one probe at a time."""
+
+    def __init__(self, policy: EstimatePolicy, actual_bytes: int) -> None:
+        self.policy = policy
+        self.limit = actual_bytes + policy.increment_bytes
+        self.trials = 0
+
+    def next_limit(self, trial: Probe) -> int | None:
+        """None: ``self.limit`` is accepted; else the next limit to try."""
+        self.trials += 1
+        if trial.limit_bytes and trial.utilization <= self.policy.target_utilization:
+            return None
+        if self.trials >= self.policy.max_trials:
+            return None  # accept the last limit rather than loop forever; the log says so
+        self.limit += self.policy.increment_bytes
+        return self.limit
+
+
+def estimate(policy: EstimatePolicy, actual_bytes: int) -> int:
+    """Factor and increment modes; the iterative mode starts from ``actual + increment``."""
+    if policy.mode == EstimateMode.FACTOR:
+        return math.ceil(actual_bytes * policy.factor)
+    return actual_bytes + policy.increment_bytes
+
+
+def shrunk_batch(batch: int, peak_bytes: int, device_bytes: int, margin: float) -> int:
+    """The batch the measured peak says would fit, a little under it."""
+    if peak_bytes <= device_bytes:
+        return batch
+    fitted = math.floor(batch * device_bytes * (1 - margin) / peak_bytes)
+    return max(1, min(batch - 1, fitted))
