@@ -7,11 +7,14 @@ import os
 import signal
 import socket
 import threading
+from dataclasses import dataclass
 
 import grpc
 
 from protos.atomic_io import atomic_write
-from protos.security import add_security_flags
+from protos.metrics import serve_metrics
+from protos.security import TransportSecurity, add_security_flags, security_from_args
+from protos.transport import ServingServer, host_of, start_server
 
 
 def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -84,3 +87,23 @@ def add_common_flags(parser: argparse.ArgumentParser, default_bind: str) -> None
     parser.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period in seconds")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(parser)
+
+
+@dataclass
+class Member:
+    """What a PS shard or worker process has once it listens: server, addresses, security."""
+
+    server: ServingServer
+    address: str  # what peers dial
+    metrics_address: str  # empty when metrics are off
+    security: TransportSecurity
+
+
+def start_member(args: argparse.Namespace, register: list[tuple[object, object]], service_names: list[str]) -> Member:
+    """Serve (health NOT_SERVING) and start metrics with the common flags; raises SecurityError."""
+    security = security_from_args(args)
+    server = start_server(args.bind, register, service_names, security)
+    host = getattr(args, "advertise_host", None)
+    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
+    metrics_address = advertised_address(args.bind, metrics_port, host) if metrics_port > 0 else ""
+    return Member(server, advertised_address(args.bind, server.port, host), metrics_address, security)

@@ -6,6 +6,8 @@ without .proto files and load balancers/systemd can ask whether a service is rea
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Iterable
 from concurrent import futures
@@ -122,9 +124,6 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
     per service and handlers stay free of try/except boilerplate. Works for unary and
     server-streaming handlers alike.
     """
-    import functools
-    import inspect
-
     def lookup(exc: Exception) -> grpc.StatusCode | None:
         for cls in type(exc).__mro__:
             if cls in mapping:

@@ -19,16 +19,15 @@ from protos import pstrain_pb2_grpc as pb_grpc
 from protos.codec import TensorAssembler
 from protos.lifecycle import (
     add_common_flags,
-    advertised_address,
     sd_notify,
+    start_member,
     stop_on_signals,
     wait_until_reachable,
     write_port_file,
 )
 from protos.logs import configure_logging
-from protos.metrics import serve_metrics
-from protos.security import SecurityError, security_from_args
-from protos.transport import CONTROL_TIMEOUT_S, host_of, open_channel, start_server
+from protos.security import SecurityError
+from protos.transport import CONTROL_TIMEOUT_S, open_channel
 from ps_server.service import ParameterServerServicer
 from ps_server.shard import ParameterShard
 
@@ -53,20 +52,15 @@ def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> t
 
 
 def run(args: argparse.Namespace) -> int:
+    servicer = ParameterServerServicer()
     try:
-        security = security_from_args(args)
+        member = start_member(args, [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"])
     except SecurityError as exc:
         log.error("%s", exc)
         return 2
+    server, address, metrics_address, security = member.server, member.address, member.metrics_address, member.security
     stop = threading.Event()
     stop_on_signals(stop)
-    servicer = ParameterServerServicer()
-    server = start_server(
-        args.bind, [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"], security
-    )
-    address = advertised_address(args.bind, server.port, args.advertise_host)
-    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
-    metrics_address = advertised_address(args.bind, metrics_port, args.advertise_host) if metrics_port > 0 else ""
     log.info("shard %d listening on %s", args.shard_id, address)
     channel = open_channel(args.coordinator, security)
     shard: ParameterShard | None = None

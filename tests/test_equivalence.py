@@ -50,7 +50,11 @@ def assert_equivalent(state, expected):
         torch.testing.assert_close(state[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
-def job_file(tmp_path, optimizer, batch):
+SGD_MOMENTUM = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+LINEAR = {"per_device": PER_DEVICE, "lr_scaling": "linear"}
+
+
+def job_file(tmp_path, optimizer, batch, **extra):
     return write_job(
         tmp_path / "job.yaml",
         data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL}, "shard_size": 8},
@@ -58,6 +62,7 @@ def job_file(tmp_path, optimizer, batch):
         batch=batch,
         job={"steps": STEPS, "seed": 3},
         cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": DEVICES},
+        **extra,
     )
 
 
@@ -150,15 +155,7 @@ def test_other_cluster_shapes(tmp_path, workers, devices, shards):
 
 def test_swapping_every_layer_changes_nothing(tmp_path):
     """The worker applies the coordinator's plan (swap every layer that saves a tensor of its own) bit-exactly."""
-    job = write_job(
-        tmp_path / "job.yaml",
-        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL}, "shard_size": 8},
-        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        batch={"per_device": PER_DEVICE, "lr_scaling": "linear"},
-        job={"steps": STEPS, "seed": 3},
-        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": DEVICES},
-        memory={"policy": "swap", "device_memory": "1GiB"},
-    )
+    job = job_file(tmp_path, SGD_MOMENTUM, LINEAR, memory={"policy": "swap", "device_memory": "1GiB"})
     result = run_local(job, tmp_path / "out", uuid.uuid4().hex)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "memory plan: 0=swap, 1=swap\n" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
@@ -168,13 +165,10 @@ def test_swapping_every_layer_changes_nothing(tmp_path):
 
 def test_the_masters_probe_does_not_disturb_training(tmp_path):
     """S2.1: worker 0 runs one real iteration first; no parameter or sample may be affected."""
-    job = write_job(
-        tmp_path / "job.yaml",
-        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL}, "shard_size": 8},
-        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        batch={"per_device": PER_DEVICE, "lr_scaling": "linear"},
-        job={"steps": STEPS, "seed": 3},
-        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": DEVICES},
+    job = job_file(
+        tmp_path,
+        SGD_MOMENTUM,
+        LINEAR,
         memory={"probe": True, "device_memory": "4GiB", "estimate": "increment", "increment": "64MiB"},
     )
     result = run_local(job, tmp_path / "out", uuid.uuid4().hex)

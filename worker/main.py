@@ -20,17 +20,16 @@ from protos import pstrain_pb2_grpc as pb_grpc
 from protos.factories import FactoryError, LossFn, ParamLayout, build_dataset, build_model, resolve_loss
 from protos.lifecycle import (
     add_common_flags,
-    advertised_address,
     sd_notify,
+    start_member,
     stop_on_signals,
     wait_until_reachable,
     write_port_file,
 )
 from protos.logs import configure_logging
-from protos.metrics import serve_metrics
 from protos.ps_client import PsClient
-from protos.security import SecurityError, security_from_args
-from protos.transport import host_of, open_channel, start_server
+from protos.security import SecurityError
+from protos.transport import open_channel
 from worker.coordinator_link import CoordinatorLink
 from worker.data_feed import DataFeed
 from worker.devices import DeviceError, resolve_devices
@@ -124,18 +123,15 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    servicer = WorkerServicer(devices=[])
     try:
-        security = security_from_args(args)
+        member = start_member(args, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"])
     except SecurityError as exc:
         log.error("%s", exc)
         return 2
+    server, address, metrics_address, security = member.server, member.address, member.metrics_address, member.security
     stop = threading.Event()
     stop_on_signals(stop)
-    servicer = WorkerServicer(devices=[])
-    server = start_server(args.bind, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"], security)
-    address = advertised_address(args.bind, server.port, args.advertise_host)
-    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
-    metrics_address = advertised_address(args.bind, metrics_port, args.advertise_host) if metrics_port > 0 else ""
     channel = open_channel(args.coordinator, security)
     heartbeat_stop = threading.Event()
     aborted = threading.Event()
