@@ -71,17 +71,21 @@ def probe_until_accepted(
     limit = 0
     while True:
         replicas = build_replicas(job, devices, layout)
-        inputs, targets = feed.peek_batch(job.per_device_batch * len(devices))
-        device_peak, host_peak = run_probe(replicas, inputs, targets, loss_fn, limit)
-        verdict = link.report_probe(
-            pb.ProbeReport(
-                worker_id=link.worker_id,
-                per_device_batch=job.per_device_batch,
-                device_peak_bytes=device_peak,
-                host_peak_bytes=host_peak,
-                limit_bytes=limit,
+        try:
+            inputs, targets = feed.peek_batch(job.per_device_batch * len(devices))
+            device_peak, host_peak = run_probe(replicas, inputs, targets, loss_fn, limit)
+            verdict = link.report_probe(
+                pb.ProbeReport(
+                    worker_id=link.worker_id,
+                    per_device_batch=job.per_device_batch,
+                    device_peak_bytes=device_peak,
+                    host_peak_bytes=host_peak,
+                    limit_bytes=limit,
+                )
             )
-        )
+        except BaseException:
+            replicas.close()
+            raise
         log.info("probe at batch %d: device peak %d B -> %s", job.per_device_batch, device_peak, verdict.message)
         if verdict.done and verdict.job == job:
             return job, replicas
