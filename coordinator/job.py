@@ -432,11 +432,6 @@ class Job:
             log.error("job failed: %s", reason)
             self._cond.notify_all()
 
-    def all_stopped(self) -> bool:
-        """Every PS shard has been told to stop (workers stop on their own after the last step)."""
-        with self._cond:
-            return all(m.done for m in self._ps.values())
-
     def wait_over(self, timeout_s: float | None = None) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self.state.over, timeout_s)

@@ -18,7 +18,7 @@ swap cost / recompute cost, ascending (the layers that are relatively cheapest t
 first), ties broken by more bytes first (more memory freed per decision), and mark them
 "swap" while the summed swap cost stays under the overlap budget. If memory still does not
 fit, mark the remaining kept layers "recompute", most bytes freed per second of recompute
-first, until it fits; as a last resort swap beyond the overlap budget (slower, but it runs).
+first, until it fits. If even that does not fit, the batch is too large (``fits`` is False).
 """
 
 from __future__ import annotations
@@ -127,11 +127,6 @@ def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allo
             if fits():
                 break
             policies[layer.name] = Policy.RECOMPUTE
-        for layer in sorted(candidates, key=lambda la: -la.saved_bytes(batch)):
-            if fits():
-                break
-            if policies[layer.name] == Policy.RECOMPUTE and swap_s[layer.name] < recompute_s[layer.name]:
-                policies[layer.name] = Policy.SWAP
     decisions = tuple(
         LayerDecision(la.name, policies[la.name], la.saved_bytes(batch), swap_s[la.name], recompute_s[la.name])
         for la in profile.layers

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -25,6 +25,7 @@ from coordinator.memory_plan import (
     Policy,
     max_batch,
     parse_bytes,
+    peak_bytes,
     plan_for_batch,
     s15_max_batch,
 )
@@ -140,10 +141,6 @@ def plan_job(
 
 
 def _all_swap(memory: MemoryPlan, profile: ModelProfile, budget: MemoryBudget) -> MemoryPlan:
-    from dataclasses import replace
-
-    from coordinator.memory_plan import peak_bytes
-
     decisions = tuple(replace(d, policy=Policy.SWAP) if d.saved_bytes > 0 else d for d in memory.decisions)
     policies = {d.name: d.policy for d in decisions}
     return replace(memory, decisions=decisions, peak_bytes=peak_bytes(profile, memory.batch, policies, budget))

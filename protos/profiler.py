@@ -32,10 +32,6 @@ class LayerProfile:
     forward_s: float  # at the profile's reference batch
     backward_s: float
 
-    @property
-    def grad_bytes(self) -> int:
-        return self.param_bytes
-
     def saved_bytes(self, batch: int) -> float:
         return self.saved_bytes_fixed + self.saved_bytes_per_sample * batch
 

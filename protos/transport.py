@@ -124,6 +124,7 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
     per service and handlers stay free of try/except boilerplate. Works for unary and
     server-streaming handlers alike.
     """
+
     def lookup(exc: Exception) -> grpc.StatusCode | None:
         for cls in type(exc).__mro__:
             if cls in mapping:

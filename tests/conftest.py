@@ -1,11 +1,9 @@
 """A live localhost cluster shared by the operator tests (grpcurl, metrics, status RPCs)."""
 
-import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from protos import pstrain_pb2 as pb
@@ -44,10 +42,3 @@ def live_cluster(tmp_path_factory):
         yield LiveCluster(tmp / "out", address, status)
     finally:
         stop_local(proc, marker)
-
-
-def grpc_json(text: str) -> dict:
-    return json.loads(text)
-
-
-__all__ = ["LiveCluster", "grpc", "grpc_json"]

@@ -120,3 +120,14 @@ def test_cuda_replicas_sum_through_pinned_host_memory():
     torch.nn.functional.cross_entropy(reference(x), y).backward()
     expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
     torch.testing.assert_close(replicas.sum_gradients() / count, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_peeking_reports_nothing_done_and_consumes_nothing():
+    source = ListSource([(0, [0, 1]), (1, [2, 3, 4])])
+    feed = DataFeed(classification_set(16), source)
+    x, _ = feed.peek_batch(3)  # spans both shards
+    feed.commit()
+    assert x.shape == (3, 5) and source.completed == [], "a peeked shard is not trained on yet"
+    assert feed.next_indices(3) == [0, 1, 2]
+    feed.commit()
+    assert source.completed == [0]

@@ -28,43 +28,42 @@ class ShardSource(Protocol):
 class DataFeed:
     dataset: torch.utils.data.Dataset
     source: ShardSource
-    _queue: deque[int] = field(default_factory=deque)
-    _current: int | None = None
+    _queue: deque[tuple[int, int]] = field(default_factory=deque)  # (sample index, data shard id)
+    _left: dict[int, int] = field(default_factory=dict)  # data shard id -> samples not consumed yet
     _exhausted: list[int] = field(default_factory=list)
 
+    def _fill(self, count: int) -> None:
+        """Request data shards until at least ``count`` samples are queued."""
+        while len(self._queue) < count:
+            shard = self.source.request()
+            if not shard.indices:
+                raise RuntimeError(f"coordinator sent data shard {shard.shard_id} without samples")
+            self._queue.extend((index, shard.shard_id) for index in shard.indices)
+            self._left[shard.shard_id] = len(shard.indices)
+
     def next_indices(self, count: int) -> list[int]:
-        indices: list[int] = []
-        while len(indices) < count:
-            if not self._queue:
-                if self._current is not None:
-                    self._exhausted.append(self._current)
-                shard = self.source.request()
-                if not shard.indices:
-                    raise RuntimeError(f"coordinator sent data shard {shard.shard_id} without samples")
-                self._current = shard.shard_id
-                self._queue.extend(shard.indices)
-            take = min(count - len(indices), len(self._queue))
-            indices.extend(self._queue.popleft() for _ in range(take))
-        if not self._queue and self._current is not None:
-            self._exhausted.append(self._current)
-            self._current = None
+        self._fill(count)
+        indices = []
+        for _ in range(count):
+            index, shard_id = self._queue.popleft()
+            indices.append(index)
+            self._left[shard_id] -= 1
+            if self._left[shard_id] == 0:  # its last sample is in this step
+                del self._left[shard_id]
+                self._exhausted.append(shard_id)
         return indices
 
     def peek_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``count`` samples without consuming them (the probe trains on nothing)."""
-        while len(self._queue) < count:
-            if self._current is not None:
-                self._exhausted.append(self._current)
-            shard = self.source.request()
-            self._current = shard.shard_id
-            self._queue.extend(shard.indices)
-        batch = default_collate([self.dataset[i] for i in list(self._queue)[:count]])
-        return batch[0], batch[1]
+        self._fill(count)
+        return self._collate([index for index, _ in list(self._queue)[:count]])
 
     def next_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = default_collate([self.dataset[i] for i in self.next_indices(count)])
-        inputs, targets = batch[0], batch[1]
-        return inputs, targets
+        return self._collate(self.next_indices(count))
+
+    def _collate(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = default_collate([self.dataset[i] for i in indices])
+        return batch[0], batch[1]
 
     def commit(self) -> None:
         """The step that used the exhausted shards is safely pushed: report them done."""

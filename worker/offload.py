@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ class SwapToHost:
         self._pinned_bytes = 0
         self._warned = False
         self._stream: torch.cuda.Stream | None = None
+        self._in_flight: deque[_Saved] = deque()  # device->host copies not yet known to be done
         self._param_ptrs: set[int] = set()
         self._in_forward = True
 
@@ -79,6 +81,7 @@ class SwapToHost:
         """Forget the last step's tensors; call before each forward."""
         self._saved.clear()
         self._by_storage.clear()
+        self._in_flight.clear()
         self._pinned_bytes = 0
         self._in_forward = True
         self.stats.resident_bytes = 0
@@ -107,6 +110,7 @@ class SwapToHost:
                 entry.ready.record(stream)
             tensor.record_stream(stream)
             entry.on_device = tensor  # held until the copy is known to be done
+            self._in_flight.append(entry)
             self._track(nbytes)
         else:
             host.copy_(tensor)
@@ -133,11 +137,18 @@ class SwapToHost:
             self._pinned_bytes += nbytes
         return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
 
-    def _release_finished_copies(self) -> None:
-        for entry in self._saved:
-            if entry.on_device is not None and entry.ready is not None and self._in_forward and entry.ready.query():
-                self._track(-entry.on_device.numel() * entry.on_device.element_size())
-                entry.on_device = None
+    def _release_finished_copies(self, wait: bool = False) -> None:
+        """Let go of device tensors whose copy to the host is done (copies finish in order)."""
+        while self._in_flight:
+            entry = self._in_flight[0]
+            assert entry.ready is not None and entry.on_device is not None
+            if wait:
+                entry.ready.synchronize()
+            elif not entry.ready.query():
+                return
+            self._track(-entry.on_device.numel() * entry.on_device.element_size())
+            entry.on_device = None
+            self._in_flight.popleft()
 
     # -------------------------------------------------------------- backward
 
@@ -147,11 +158,7 @@ class SwapToHost:
         if self._in_forward:
             self._in_forward = False
             self.stats.forward_peak_resident_bytes = self.stats.peak_resident_bytes
-            for entry in self._saved:  # forward is over: any copy still in flight must land
-                if entry.on_device is not None and entry.ready is not None:
-                    entry.ready.synchronize()
-                    self._track(-entry.on_device.numel() * entry.on_device.element_size())
-                    entry.on_device = None
+            self._release_finished_copies(wait=True)  # forward is over: every copy must land
         entry = self._saved[packed]
         tensor = self._bring_back(entry)
         for ahead in range(packed - 1, max(-1, packed - 1 - self.prefetch), -1):
