@@ -21,7 +21,7 @@ test: venv  ## the whole test suite
 	$(BIN)/python -m pytest -q
 
 proto: venv  ## regenerate protos/pstrain_pb2*.py from protos/pstrain.proto
-	$(BIN)/python -m protos.codegen
+	$(BIN)/python -m pstrain.protos.codegen
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy protos ps_server worker coordinator

@@ -1,5 +1,5 @@
 import sys
 
-from coordinator.main import main
+from pstrain.coordinator.main import main
 
 sys.exit(main())

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from coordinator.errors import ConfigError
-from coordinator.memory_plan import parse_bytes
+from pstrain.coordinator.errors import ConfigError
+from pstrain.planner.memory_plan import parse_bytes
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCALINGS = ("linear", "sqrt", "none", "auto")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.errors import UnknownMember
+from pstrain.coordinator.errors import UnknownMember
 
 
 @dataclass(frozen=True)

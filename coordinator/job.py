@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from coordinator.data_shards import DataShardAssignment, DataShardTracker
-from coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
-from coordinator.memory_estimate import EstimateMode, EstimatePolicy, IterativeEstimate, Probe, estimate, shrunk_batch
-from coordinator.model_state import ModelState
-from coordinator.plan import Plan
-from protos import pstrain_pb2 as pb
-from protos.shard_map import ShardRange, shard_ranges
+from pstrain.coordinator.data_shards import DataShardAssignment, DataShardTracker
+from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy, IterativeEstimate, Probe, estimate, shrunk_batch
+from pstrain.coordinator.model_state import ModelState
+from pstrain.coordinator.plan import Plan
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
 
 log = logging.getLogger(__name__)
 

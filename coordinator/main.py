@@ -15,23 +15,23 @@ from pathlib import Path
 
 import torch
 
-from coordinator.config import JobConfig, load_config
-from coordinator.data_shards import DataShardTracker
-from coordinator.errors import ConfigError
-from coordinator.job import Job, JobState
-from coordinator.metrics import register_job_metrics
-from coordinator.model_state import ModelState
-from coordinator.plan import job_spec
-from coordinator.planning import describe, plan_job, probe_setup
-from coordinator.service import CoordinatorServicer
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.factories import FactoryError, build_dataset
-from protos.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
-from protos.logs import configure_logging
-from protos.metrics import serve_metrics
-from protos.ps_client import PsClient
-from protos.security import INSECURE, SecurityError, TransportSecurity, security_from_args
-from protos.transport import host_of, start_server
+from pstrain.coordinator.config import JobConfig, load_config
+from pstrain.coordinator.data_shards import DataShardTracker
+from pstrain.coordinator.errors import ConfigError
+from pstrain.coordinator.job import Job, JobState
+from pstrain.coordinator.metrics import register_job_metrics
+from pstrain.coordinator.model_state import ModelState
+from pstrain.coordinator.plan import job_spec
+from pstrain.coordinator.planning import describe, plan_job, probe_setup
+from pstrain.coordinator.service import CoordinatorServicer
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.factories import FactoryError, build_dataset
+from pstrain.runtime.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
+from pstrain.runtime.logs import configure_logging
+from pstrain.runtime.metrics import serve_metrics
+from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.security import INSECURE, SecurityError, TransportSecurity, security_from_args
+from pstrain.runtime.transport import host_of, start_server
 
 log = logging.getLogger(__name__)
 

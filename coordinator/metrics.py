@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge
 
-from coordinator.job import Job
+from pstrain.coordinator.job import Job
 
 
 def register_job_metrics(job: Job) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from coordinator.config import JobConfig
-from coordinator.errors import ConfigError
-from protos.atomic_io import atomic_write
-from protos.factories import FactoryError, ParamLayout, build_model
+from pstrain.coordinator.config import JobConfig
+from pstrain.coordinator.errors import ConfigError
+from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.factories import FactoryError, ParamLayout, build_model
 
 
 class ModelState:

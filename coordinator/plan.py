@@ -6,12 +6,12 @@ import json
 import math
 from dataclasses import dataclass
 
-from coordinator.config import JobConfig
-from coordinator.errors import ConfigError
-from coordinator.memory_plan import parse_bytes
-from protos import pstrain_pb2 as pb
-from protos.factories import ParamLayout
-from protos.schedule import learning_rate
+from pstrain.coordinator.config import JobConfig
+from pstrain.coordinator.errors import ConfigError
+from pstrain.planner.memory_plan import parse_bytes
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.factories import ParamLayout
+from pstrain.runtime.schedule import learning_rate
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from coordinator.config import JobConfig
-from coordinator.errors import ConfigError
-from coordinator.job import ProbeSetup
-from coordinator.memory_estimate import EstimateMode, EstimatePolicy
-from coordinator.memory_plan import (
+from pstrain.coordinator.config import JobConfig
+from pstrain.coordinator.errors import ConfigError
+from pstrain.coordinator.job import ProbeSetup
+from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy
+from pstrain.planner.memory_plan import (
     MemoryBudget,
     MemoryPlan,
     Policy,
@@ -29,10 +29,10 @@ from coordinator.memory_plan import (
     plan_for_batch,
     s15_max_batch,
 )
-from coordinator.plan import Plan, make_plan
-from protos import pstrain_pb2 as pb
-from protos.factories import resolve_loss
-from protos.profiler import ModelProfile, profile_model
+from pstrain.coordinator.plan import Plan, make_plan
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.factories import resolve_loss
+from pstrain.planner.profiler import ModelProfile, profile_model
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
-from coordinator.job import Directive, Job
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.codec import CodecError, decode_named_tensors, encode_chunks
-from protos.transport import abort_on_errors
+from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from pstrain.coordinator.job import Directive, Job
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks
+from pstrain.runtime.transport import abort_on_errors
 
 translate = abort_on_errors(
     {

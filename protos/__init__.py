@@ -1,6 +1,4 @@
-"""The pstrain wire contract and what all three services share.
+"""The pstrain wire contract: ``pstrain.proto``, the code generated from it, and the tensor codec.
 
-``pstrain.proto`` and the code generated from it, the tensor codec, the shard map, the
-learning-rate schedule, job-spec factories and gRPC transport settings. The services depend
-on this package and never on each other.
+Nothing else lives here: what the services share at run time is ``pstrain.runtime``.
 """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in the fleet
     raise ImportError("pstrain's wire format is little-endian; this host is big-endian")

@@ -1,49 +1,61 @@
 """Regenerate (or check) the Python code generated from ``protos/pstrain.proto``.
 
-``python -m protos.codegen`` rewrites the generated modules; ``--check`` exits non-zero
-when the committed ones differ from what the pinned grpcio-tools would produce, so a
+``python -m pstrain.protos.codegen`` rewrites the generated modules; ``--check`` exits
+non-zero when the committed ones differ from what the pinned grpcio-tools would produce, so a
 proto edit without regeneration fails the test suite instead of production.
+
+The repository folder ``protos/`` is installed as ``pstrain.protos``; protoc derives the
+generated modules' imports from the .proto's path, so it runs on a copy laid out as
+``pstrain/protos/pstrain.proto``.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO = Path("protos/pstrain.proto")
+PROTOS_DIR = Path(__file__).resolve().parent
+PROTO_NAME = "pstrain.proto"
+IMPORT_PATH = Path("pstrain/protos")  # where the .proto sits for protoc: its import path
 GENERATED = ("pstrain_pb2.py", "pstrain_pb2.pyi", "pstrain_pb2_grpc.py")
 
 
-def generate(out_root: Path) -> None:
-    """Run protoc so that the generated modules import each other as ``protos.*``."""
+def generate(out_dir: Path) -> None:
+    """Write the generated modules into ``out_dir``."""
     from grpc_tools import protoc  # dev-only dependency
 
-    args = [
-        "grpc_tools.protoc",
-        f"-I{REPO_ROOT}",
-        f"--python_out={out_root}",
-        f"--pyi_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        str(REPO_ROOT / PROTO),
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed for {PROTO}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / IMPORT_PATH).mkdir(parents=True)
+        shutil.copy(PROTOS_DIR / PROTO_NAME, root / IMPORT_PATH / PROTO_NAME)
+        args = [
+            "grpc_tools.protoc",
+            f"-I{root}",
+            f"--python_out={root}",
+            f"--pyi_out={root}",
+            f"--grpc_python_out={root}",
+            str(root / IMPORT_PATH / PROTO_NAME),
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed for {PROTO_NAME}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in GENERATED:
+            shutil.copy(root / IMPORT_PATH / name, out_dir / name)
 
 
 def stale_files() -> list[str]:
     """Names of generated files whose committed content differs from a fresh generation."""
     with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp))
-        fresh_dir = Path(tmp) / "protos"
+        fresh = Path(tmp)
+        generate(fresh)
         return [
             name
             for name in GENERATED
-            if not (REPO_ROOT / "protos" / name).exists()
-            or not filecmp.cmp(fresh_dir / name, REPO_ROOT / "protos" / name, shallow=False)
+            if not (PROTOS_DIR / name).exists() or not filecmp.cmp(fresh / name, PROTOS_DIR / name, shallow=False)
         ]
 
 
@@ -54,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = stale_files()
         if stale:
-            print(f"stale generated code: {', '.join(stale)}; run `python -m protos.codegen`")
+            print(f"stale generated code: {', '.join(stale)}; run `python -m pstrain.protos.codegen`")
             return 1
         print("generated code is up to date")
         return 0
-    generate(REPO_ROOT)
+    generate(PROTOS_DIR)
     print(f"regenerated {', '.join(GENERATED)}")
     return 0
 

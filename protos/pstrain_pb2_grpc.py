@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import pstrain_pb2 as protos_dot_pstrain__pb2
+from pstrain.protos import pstrain_pb2 as pstrain_dot_protos_dot_pstrain__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/pstrain_pb2_grpc.py depends on'
+        + ' but the generated code in pstrain/protos/pstrain_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class ParameterServerStub:
         """
         self.Push = channel.stream_unary(
                 '/pstrain.v1.ParameterServer/Push',
-                request_serializer=protos_dot_pstrain__pb2.PushRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.PushReply.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushReply.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/pstrain.v1.ParameterServer/Pull',
-                request_serializer=protos_dot_pstrain__pb2.PullRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.PullReply.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
                 _registered_method=True)
         self.GetShardStatus = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/GetShardStatus',
-                request_serializer=protos_dot_pstrain__pb2.ShardStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.ShardStatus.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatusRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatus.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protos_dot_pstrain__pb2.PushRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.PushReply.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushReply.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=protos_dot_pstrain__pb2.PullRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.PullReply.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.SerializeToString,
             ),
             'GetShardStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetShardStatus,
-                    request_deserializer=protos_dot_pstrain__pb2.ShardStatusRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.ShardStatus.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatusRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/pstrain.v1.ParameterServer/Push',
-            protos_dot_pstrain__pb2.PushRequest.SerializeToString,
-            protos_dot_pstrain__pb2.PushReply.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.PushRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class ParameterServer:
             request,
             target,
             '/pstrain.v1.ParameterServer/Pull',
-            protos_dot_pstrain__pb2.PullRequest.SerializeToString,
-            protos_dot_pstrain__pb2.PullReply.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class ParameterServer:
             request,
             target,
             '/pstrain.v1.ParameterServer/GetShardStatus',
-            protos_dot_pstrain__pb2.ShardStatusRequest.SerializeToString,
-            protos_dot_pstrain__pb2.ShardStatus.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.ShardStatusRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.ShardStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,68 +194,68 @@ class CoordinatorStub:
         """
         self.RegisterParameterServer = channel.unary_unary(
                 '/pstrain.v1.Coordinator/RegisterParameterServer',
-                request_serializer=protos_dot_pstrain__pb2.RegisterPsRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.RegisterPsReply.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterPsRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterPsReply.FromString,
                 _registered_method=True)
         self.FetchInitialParameters = channel.unary_stream(
                 '/pstrain.v1.Coordinator/FetchInitialParameters',
-                request_serializer=protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.TensorChunk.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.TensorChunk.FromString,
                 _registered_method=True)
         self.ParameterServerReady = channel.unary_unary(
                 '/pstrain.v1.Coordinator/ParameterServerReady',
-                request_serializer=protos_dot_pstrain__pb2.PsReadyRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.Empty.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PsReadyRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
                 _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/pstrain.v1.Coordinator/RegisterWorker',
-                request_serializer=protos_dot_pstrain__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.RegisterWorkerReply.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerReply.FromString,
                 _registered_method=True)
         self.WaitForCluster = channel.unary_unary(
                 '/pstrain.v1.Coordinator/WaitForCluster',
-                request_serializer=protos_dot_pstrain__pb2.WaitForClusterRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.ClusterView.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.WaitForClusterRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ClusterView.FromString,
                 _registered_method=True)
         self.RequestDataShard = channel.unary_unary(
                 '/pstrain.v1.Coordinator/RequestDataShard',
-                request_serializer=protos_dot_pstrain__pb2.DataShardRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.DataShard.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.DataShardRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.DataShard.FromString,
                 _registered_method=True)
         self.CompleteDataShard = channel.unary_unary(
                 '/pstrain.v1.Coordinator/CompleteDataShard',
-                request_serializer=protos_dot_pstrain__pb2.CompleteDataShardRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.Empty.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.CompleteDataShardRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
                 _registered_method=True)
         self.ReportStep = channel.unary_unary(
                 '/pstrain.v1.Coordinator/ReportStep',
-                request_serializer=protos_dot_pstrain__pb2.StepReport.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.Directive.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.StepReport.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
                 _registered_method=True)
         self.ReportProbe = channel.unary_unary(
                 '/pstrain.v1.Coordinator/ReportProbe',
-                request_serializer=protos_dot_pstrain__pb2.ProbeReport.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.ProbeVerdict.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ProbeReport.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ProbeVerdict.FromString,
                 _registered_method=True)
         self.UploadBuffers = channel.stream_unary(
                 '/pstrain.v1.Coordinator/UploadBuffers',
-                request_serializer=protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.Empty.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/pstrain.v1.Coordinator/Heartbeat',
-                request_serializer=protos_dot_pstrain__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.Directive.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
                 _registered_method=True)
         self.WatchProgress = channel.unary_stream(
                 '/pstrain.v1.Coordinator/WatchProgress',
-                request_serializer=protos_dot_pstrain__pb2.WatchProgressRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.ProgressEvent.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.WatchProgressRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ProgressEvent.FromString,
                 _registered_method=True)
         self.GetJobStatus = channel.unary_unary(
                 '/pstrain.v1.Coordinator/GetJobStatus',
-                request_serializer=protos_dot_pstrain__pb2.JobStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.JobStatus.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatusRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatus.FromString,
                 _registered_method=True)
 
 
@@ -345,68 +345,68 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterParameterServer': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterParameterServer,
-                    request_deserializer=protos_dot_pstrain__pb2.RegisterPsRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.RegisterPsReply.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterPsRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterPsReply.SerializeToString,
             ),
             'FetchInitialParameters': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchInitialParameters,
-                    request_deserializer=protos_dot_pstrain__pb2.InitialParametersRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
             ),
             'ParameterServerReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ParameterServerReady,
-                    request_deserializer=protos_dot_pstrain__pb2.PsReadyRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.Empty.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PsReadyRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=protos_dot_pstrain__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.RegisterWorkerReply.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerReply.SerializeToString,
             ),
             'WaitForCluster': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitForCluster,
-                    request_deserializer=protos_dot_pstrain__pb2.WaitForClusterRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.ClusterView.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.WaitForClusterRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.ClusterView.SerializeToString,
             ),
             'RequestDataShard': grpc.unary_unary_rpc_method_handler(
                     servicer.RequestDataShard,
-                    request_deserializer=protos_dot_pstrain__pb2.DataShardRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.DataShard.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.DataShardRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.DataShard.SerializeToString,
             ),
             'CompleteDataShard': grpc.unary_unary_rpc_method_handler(
                     servicer.CompleteDataShard,
-                    request_deserializer=protos_dot_pstrain__pb2.CompleteDataShardRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.Empty.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.CompleteDataShardRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
             ),
             'ReportStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStep,
-                    request_deserializer=protos_dot_pstrain__pb2.StepReport.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.Directive.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.StepReport.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.SerializeToString,
             ),
             'ReportProbe': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportProbe,
-                    request_deserializer=protos_dot_pstrain__pb2.ProbeReport.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.ProbeVerdict.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ProbeReport.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.ProbeVerdict.SerializeToString,
             ),
             'UploadBuffers': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadBuffers,
-                    request_deserializer=protos_dot_pstrain__pb2.TensorChunk.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.Empty.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.TensorChunk.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protos_dot_pstrain__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.Directive.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.SerializeToString,
             ),
             'WatchProgress': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchProgress,
-                    request_deserializer=protos_dot_pstrain__pb2.WatchProgressRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.ProgressEvent.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.WatchProgressRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.ProgressEvent.SerializeToString,
             ),
             'GetJobStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJobStatus,
-                    request_deserializer=protos_dot_pstrain__pb2.JobStatusRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.JobStatus.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatusRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,8 +434,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/RegisterParameterServer',
-            protos_dot_pstrain__pb2.RegisterPsRequest.SerializeToString,
-            protos_dot_pstrain__pb2.RegisterPsReply.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.RegisterPsRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.RegisterPsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -461,8 +461,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/FetchInitialParameters',
-            protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
-            protos_dot_pstrain__pb2.TensorChunk.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -488,8 +488,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/ParameterServerReady',
-            protos_dot_pstrain__pb2.PsReadyRequest.SerializeToString,
-            protos_dot_pstrain__pb2.Empty.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.PsReadyRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -515,8 +515,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/RegisterWorker',
-            protos_dot_pstrain__pb2.RegisterWorkerRequest.SerializeToString,
-            protos_dot_pstrain__pb2.RegisterWorkerReply.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -542,8 +542,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/WaitForCluster',
-            protos_dot_pstrain__pb2.WaitForClusterRequest.SerializeToString,
-            protos_dot_pstrain__pb2.ClusterView.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.WaitForClusterRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.ClusterView.FromString,
             options,
             channel_credentials,
             insecure,
@@ -569,8 +569,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/RequestDataShard',
-            protos_dot_pstrain__pb2.DataShardRequest.SerializeToString,
-            protos_dot_pstrain__pb2.DataShard.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.DataShardRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.DataShard.FromString,
             options,
             channel_credentials,
             insecure,
@@ -596,8 +596,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/CompleteDataShard',
-            protos_dot_pstrain__pb2.CompleteDataShardRequest.SerializeToString,
-            protos_dot_pstrain__pb2.Empty.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.CompleteDataShardRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -623,8 +623,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/ReportStep',
-            protos_dot_pstrain__pb2.StepReport.SerializeToString,
-            protos_dot_pstrain__pb2.Directive.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.StepReport.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
             options,
             channel_credentials,
             insecure,
@@ -650,8 +650,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/ReportProbe',
-            protos_dot_pstrain__pb2.ProbeReport.SerializeToString,
-            protos_dot_pstrain__pb2.ProbeVerdict.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.ProbeReport.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.ProbeVerdict.FromString,
             options,
             channel_credentials,
             insecure,
@@ -677,8 +677,8 @@ class Coordinator:
             request_iterator,
             target,
             '/pstrain.v1.Coordinator/UploadBuffers',
-            protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
-            protos_dot_pstrain__pb2.Empty.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.TensorChunk.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -704,8 +704,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/Heartbeat',
-            protos_dot_pstrain__pb2.HeartbeatRequest.SerializeToString,
-            protos_dot_pstrain__pb2.Directive.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.HeartbeatRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
             options,
             channel_credentials,
             insecure,
@@ -731,8 +731,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/WatchProgress',
-            protos_dot_pstrain__pb2.WatchProgressRequest.SerializeToString,
-            protos_dot_pstrain__pb2.ProgressEvent.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.WatchProgressRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.ProgressEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -758,8 +758,8 @@ class Coordinator:
             request,
             target,
             '/pstrain.v1.Coordinator/GetJobStatus',
-            protos_dot_pstrain__pb2.JobStatusRequest.SerializeToString,
-            protos_dot_pstrain__pb2.JobStatus.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.JobStatusRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.JobStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -782,8 +782,8 @@ class WorkerStub:
         """
         self.GetWorkerStatus = channel.unary_unary(
                 '/pstrain.v1.Worker/GetWorkerStatus',
-                request_serializer=protos_dot_pstrain__pb2.WorkerStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_pstrain__pb2.WorkerStatus.FromString,
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.WorkerStatusRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.WorkerStatus.FromString,
                 _registered_method=True)
 
 
@@ -801,8 +801,8 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetWorkerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerStatus,
-                    request_deserializer=protos_dot_pstrain__pb2.WorkerStatusRequest.FromString,
-                    response_serializer=protos_dot_pstrain__pb2.WorkerStatus.SerializeToString,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.WorkerStatusRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.WorkerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -830,8 +830,8 @@ class Worker:
             request,
             target,
             '/pstrain.v1.Worker/GetWorkerStatus',
-            protos_dot_pstrain__pb2.WorkerStatusRequest.SerializeToString,
-            protos_dot_pstrain__pb2.WorkerStatus.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.WorkerStatusRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,5 @@
 import sys
 
-from ps_server.main import main
+from pstrain.ps_server.main import main
 
 sys.exit(main())

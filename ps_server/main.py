@@ -14,10 +14,10 @@ import threading
 import grpc
 import torch
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.codec import TensorAssembler
-from protos.lifecycle import (
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import TensorAssembler
+from pstrain.runtime.lifecycle import (
     add_common_flags,
     sd_notify,
     start_member,
@@ -25,11 +25,11 @@ from protos.lifecycle import (
     wait_until_reachable,
     write_port_file,
 )
-from protos.logs import configure_logging
-from protos.security import SecurityError
-from protos.transport import CONTROL_TIMEOUT_S, open_channel
-from ps_server.service import ParameterServerServicer
-from ps_server.shard import ParameterShard
+from pstrain.runtime.logs import configure_logging
+from pstrain.runtime.security import SecurityError
+from pstrain.runtime.transport import CONTROL_TIMEOUT_S, open_channel
+from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.shard import ParameterShard
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from protos import pstrain_pb2 as pb
-from ps_server.errors import InvalidArgument
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.ps_server.errors import InvalidArgument
 
 SUPPORTED = ("sgd", "adam", "adamw")
 

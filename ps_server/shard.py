@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from protos import pstrain_pb2 as pb
-from protos.schedule import learning_rate
-from ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
-from ps_server.optimizer import build_optimizer
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.schedule import learning_rate
+from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.optimizer import build_optimizer
 
 
 @dataclass(frozen=True)

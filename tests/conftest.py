@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.transport import open_channel
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.transport import open_channel
 from tests.helpers import metrics_lines, start_local, stop_local, wait_for, write_job
 
 

@@ -109,13 +109,13 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05): 
 
 def run_local(job: Path, out: Path, marker: str, timeout_s: float = 240, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
     """Run ``pstrain local`` as a real process and return the CompletedProcess."""
-    cmd = [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out), *(extra or [])]
+    cmd = [sys.executable, "-m", "pstrain.launcher.cli", "local", "--config", str(job), "--out", str(out), *(extra or [])]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(marker), capture_output=True, text=True, timeout=timeout_s)
 
 
 def start_local(job: Path, out: Path, marker: str) -> subprocess.Popen:
     """Start ``pstrain local`` in the background; the caller stops it (see ``stop_local``)."""
-    cmd = [sys.executable, "-m", "coordinator.cli", "local", "--config", str(job), "--out", str(out)]
+    cmd = [sys.executable, "-m", "pstrain.launcher.cli", "local", "--config", str(job), "--out", str(out)]
     return subprocess.Popen(
         cmd, cwd=REPO_ROOT, env=child_env(marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.config import load_config
+from pstrain.coordinator.config import load_config
 from tests.helpers import REPO_ROOT
 
 ANSIBLE = REPO_ROOT / "ansible"

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from protos import pstrain_pb2 as pb
-from protos.codec import (
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos.codec import (
     TORCH_TO_WIRE,
     CodecError,
     TensorAssembler,

@@ -1,4 +1,4 @@
-from protos.codegen import stale_files
+from pstrain.protos.codegen import stale_files
 
 
 def test_committed_generated_code_matches_the_proto():

@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.config import JobConfig, load_config, parse_config
-from coordinator.errors import ConfigError
-from coordinator.plan import make_plan
+from pstrain.coordinator.config import JobConfig, load_config, parse_config
+from pstrain.coordinator.errors import ConfigError
+from pstrain.coordinator.plan import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 MINIMAL = {"model": {"factory": "m:f"}, "data": {"factory": "d:f"}}

@@ -1,7 +1,7 @@
 import pytest
 
-from coordinator.data_shards import DataShardTracker
-from coordinator.errors import UnknownMember
+from pstrain.coordinator.data_shards import DataShardTracker
+from pstrain.coordinator.errors import UnknownMember
 
 
 def test_each_epoch_covers_the_dataset_once_in_shards():

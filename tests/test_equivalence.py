@@ -107,13 +107,13 @@ def test_adam_with_services_started_by_hand(tmp_path):
             )
 
         try:
-            spawn("coordinator", "--config", str(job), "--out", str(tmp_path / "out"), "--port-file", str(port_file))
+            spawn("pstrain.coordinator", "--config", str(job), "--out", str(tmp_path / "out"), "--port-file", str(port_file))
             wait_for(port_file.exists, 60, "the coordinator's port file")
             address = f"127.0.0.1:{int(port_file.read_text())}"
             for shard in range(SHARDS):
-                spawn("ps_server", "--coordinator", address, "--shard-id", str(shard))
+                spawn("pstrain.ps_server", "--coordinator", address, "--shard-id", str(shard))
             for _ in range(WORKERS):
-                spawn("worker", "--coordinator", address, "--devices", "cpu,cpu")
+                spawn("pstrain.worker", "--coordinator", address, "--devices", "cpu,cpu")
             codes = [p.wait(timeout=180) for p in procs]
             assert codes == [0] * len(procs), (tmp_path / "services.log").read_text()[-3000:]
         finally:

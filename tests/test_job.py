@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from coordinator.config import parse_config
-from coordinator.data_shards import DataShardTracker
-from coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
-from coordinator.job import Job, JobState
-from coordinator.model_state import ModelState
-from coordinator.plan import job_spec, make_plan
-from protos import pstrain_pb2 as pb
+from pstrain.coordinator.config import parse_config
+from pstrain.coordinator.data_shards import DataShardTracker
+from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from pstrain.coordinator.job import Job, JobState
+from pstrain.coordinator.model_state import ModelState
+from pstrain.coordinator.plan import job_spec, make_plan
+from pstrain.protos import pstrain_pb2 as pb
 from tests.helpers import odd_mlp
 
 RAW = {
@@ -184,9 +184,9 @@ def test_status_counts(tmp_path):
 
 # ------------------------------------------------------------------ the master's probe (S2.1-S2.3)
 
-from coordinator.job import ProbeSetup  # noqa: E402
-from coordinator.memory_estimate import EstimateMode, EstimatePolicy  # noqa: E402
-from coordinator.plan import make_plan as plan_with_batch  # noqa: E402
+from pstrain.coordinator.job import ProbeSetup  # noqa: E402
+from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy  # noqa: E402
+from pstrain.coordinator.plan import make_plan as plan_with_batch  # noqa: E402
 
 MiB = 1 << 20
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.config import parse_config
-from coordinator.errors import ConfigError
-from coordinator.memory_plan import MemoryBudget, Policy, max_batch, parse_bytes, plan_for_batch, s15_max_batch
-from coordinator.plan import make_plan
-from coordinator.planning import describe, plan_job
-from protos.profiler import LayerProfile, ModelProfile, profile_model
+from pstrain.coordinator.config import parse_config
+from pstrain.coordinator.errors import ConfigError
+from pstrain.planner.memory_plan import MemoryBudget, Policy, max_batch, parse_bytes, plan_for_batch, s15_max_batch
+from pstrain.coordinator.plan import make_plan
+from pstrain.coordinator.planning import describe, plan_job
+from pstrain.planner.profiler import LayerProfile, ModelProfile, profile_model
 from tests.helpers import classification_set
-from worker.offload import SwapToHost, apply_layer_policies
+from pstrain.worker.offload import SwapToHost, apply_layer_policies
 
 CE = nn.functional.cross_entropy
 
@@ -222,7 +222,7 @@ RAW = {
 
 def job_plan(**sections):
     cfg = parse_config({**RAW, **sections})
-    from coordinator.model_state import ModelState
+    from pstrain.coordinator.model_state import ModelState
 
     model = ModelState(cfg)
     return plan_job(cfg, model.model, classification_set(64), model.layout.total)
@@ -299,7 +299,7 @@ def test_pstrain_plan_prints_the_plan(tmp_path):
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "pstrain.launcher.cli",
             "plan",
             "--config",
             str(job),
@@ -318,7 +318,7 @@ def test_pstrain_plan_prints_the_plan(tmp_path):
     assert "layer" in out and "policy" in out and "device memory 256.0 KiB" in out
     assert "max per-device batch: without swap" in out and "chosen batch" in out and "estimated PS memory" in out
     bad = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "plan", "--config", str(job)],
+        [sys.executable, "-m", "pstrain.launcher.cli", "plan", "--config", str(job)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -7,10 +7,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.codec import encode_chunks
-from protos.transport import open_channel
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import encode_chunks
+from pstrain.runtime.transport import open_channel
 from tests.helpers import metrics_lines, wait_for
 
 

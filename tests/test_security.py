@@ -12,13 +12,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.codec import encode_chunks
-from protos.security import SecurityError, TransportSecurity
-from protos.transport import open_channel, start_server
-from ps_server.service import ParameterServerServicer
-from ps_server.shard import ParameterShard
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import encode_chunks
+from pstrain.runtime.security import SecurityError, TransportSecurity
+from pstrain.runtime.transport import open_channel, start_server
+from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.shard import ParameterShard
 from tests.helpers import REPO_ROOT, child_env, pids_with_marker, run_local, wait_for, write_job
 from tests.pki import make_pki
 
@@ -80,7 +80,7 @@ def secure_coordinator(tmp_path_factory, pki):
         [
             sys.executable,
             "-m",
-            "coordinator",
+            "pstrain.coordinator",
             "--config",
             str(job),
             "--bind",

@@ -5,9 +5,9 @@ import threading
 import pytest
 import torch
 
-from protos import pstrain_pb2 as pb
-from ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
-from ps_server.shard import ParameterShard
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.shard import ParameterShard
 
 SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)
 ADAM = pb.OptimizerSpec(name="adam", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

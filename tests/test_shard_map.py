@@ -1,6 +1,6 @@
 import pytest
 
-from protos.shard_map import shard_ranges
+from pstrain.runtime.shard_map import shard_ranges
 
 
 @pytest.mark.parametrize("total", [0, 1, 2, 74, 100, 1001, 25_000_000])

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from protos import pstrain_pb2 as pb
-from protos.factories import ParamLayout
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.factories import ParamLayout
 from tests.helpers import bn_mlp, classification_set, odd_mlp
-from worker.data_feed import DataFeed
-from worker.devices import DeviceError, resolve_devices
-from worker.replicas import ReplicaSet
+from pstrain.worker.data_feed import DataFeed
+from pstrain.worker.devices import DeviceError, resolve_devices
+from pstrain.worker.replicas import ReplicaSet
 
 
 def seeded(factory):

@@ -1,5 +1,5 @@
 import sys
 
-from worker.main import main
+from pstrain.worker.main import main
 
 sys.exit(main())

@@ -7,10 +7,10 @@ import threading
 
 import grpc
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.codec import encode_named_tensors
-from protos.transport import CONTROL_TIMEOUT_S
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import encode_named_tensors
+from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

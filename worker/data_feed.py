@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch.utils.data import default_collate
 
-from protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2 as pb
 
 
 class ShardSource(Protocol):

@@ -15,10 +15,10 @@ import threading
 import grpc
 import torch
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.factories import FactoryError, LossFn, ParamLayout, build_dataset, build_model, resolve_loss
-from protos.lifecycle import (
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.factories import FactoryError, LossFn, ParamLayout, build_dataset, build_model, resolve_loss
+from pstrain.runtime.lifecycle import (
     add_common_flags,
     sd_notify,
     start_member,
@@ -26,17 +26,17 @@ from protos.lifecycle import (
     wait_until_reachable,
     write_port_file,
 )
-from protos.logs import configure_logging
-from protos.ps_client import PsClient
-from protos.security import SecurityError
-from protos.transport import open_channel
-from worker.coordinator_link import CoordinatorLink
-from worker.data_feed import DataFeed
-from worker.devices import DeviceError, resolve_devices
-from worker.probe import run_probe
-from worker.replicas import MemoryPolicy, ReplicaSet
-from worker.service import WorkerServicer
-from worker.trainer import Trainer
+from pstrain.runtime.logs import configure_logging
+from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.security import SecurityError
+from pstrain.runtime.transport import open_channel
+from pstrain.worker.coordinator_link import CoordinatorLink
+from pstrain.worker.data_feed import DataFeed
+from pstrain.worker.devices import DeviceError, resolve_devices
+from pstrain.worker.probe import run_probe
+from pstrain.worker.replicas import MemoryPolicy, ReplicaSet
+from pstrain.worker.service import WorkerServicer
+from pstrain.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

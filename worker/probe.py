@@ -12,8 +12,8 @@ import resource
 
 import torch
 
-from protos.factories import LossFn
-from worker.replicas import ReplicaSet
+from pstrain.runtime.factories import LossFn
+from pstrain.worker.replicas import ReplicaSet
 
 
 def _rss_bytes() -> int:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from protos.factories import LossFn, ParamLayout
-from worker.offload import SwapToHost, apply_layer_policies
+from pstrain.runtime.factories import LossFn, ParamLayout
+from pstrain.worker.offload import SwapToHost, apply_layer_policies
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from worker.trainer import TrainerProgress
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.worker.trainer import TrainerProgress
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):

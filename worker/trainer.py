@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from protos import pstrain_pb2 as pb
-from protos.factories import LossFn
-from protos.ps_client import PsClient
-from worker import metrics
-from worker.data_feed import DataFeed
-from worker.replicas import ReplicaSet
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.factories import LossFn
+from pstrain.runtime.ps_client import PsClient
+from pstrain.worker import metrics
+from pstrain.worker.data_feed import DataFeed
+from pstrain.worker.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Shared because the PS applies it and the coordinator reports it: both must agree
 
 from __future__ import annotations
 
-from protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2 as pb
 
 
 def learning_rate(schedule: pb.LrSchedule, step: int) -> float:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.codec import DEFAULT_CHUNK_BYTES, TensorAssembler, encode_chunks
-from protos.security import INSECURE, TransportSecurity
-from protos.shard_map import ShardRange, shard_ranges
-from protos.transport import open_channel
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import DEFAULT_CHUNK_BYTES, TensorAssembler, encode_chunks
+from pstrain.runtime.security import INSECURE, TransportSecurity
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
+from pstrain.runtime.transport import open_channel
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import pstrain_pb2 as pb
-from protos.metrics import REJECTED
-from protos.security import INSECURE, TransportSecurity
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.metrics import REJECTED
+from pstrain.runtime.security import INSECURE, TransportSecurity
 
 log = logging.getLogger(__name__)
 

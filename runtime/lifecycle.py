@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.atomic_io import atomic_write
-from protos.metrics import serve_metrics
-from protos.security import TransportSecurity, add_security_flags, security_from_args
-from protos.transport import ServingServer, host_of, start_server
+from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.metrics import serve_metrics
+from pstrain.runtime.security import TransportSecurity, add_security_flags, security_from_args
+from pstrain.runtime.transport import ServingServer, host_of, start_server
 
 
 def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:

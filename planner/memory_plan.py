@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from protos.profiler import LayerProfile, ModelProfile
+from pstrain.planner.profiler import LayerProfile, ModelProfile
 
 
 class Policy(str, enum.Enum):

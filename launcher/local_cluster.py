@@ -26,11 +26,11 @@ from typing import IO
 
 from tqdm import tqdm
 
-from coordinator.config import JobConfig
-from protos import pstrain_pb2 as pb
-from protos import pstrain_pb2_grpc as pb_grpc
-from protos.security import TransportSecurity
-from protos.transport import open_channel
+from pstrain.coordinator.config import JobConfig
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.security import TransportSecurity
+from pstrain.runtime.transport import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class LocalCluster:
         args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s)]
         if self.steps is not None:
             args += ["--steps", str(self.steps)]
-        coordinator = self._spawn("coordinator", "coordinator", args)
+        coordinator = self._spawn("coordinator", "pstrain.coordinator", args)
         deadline = time.monotonic() + self.start_timeout_s
         while not port_file.exists():
             self._raise_if_dead()
@@ -119,9 +119,9 @@ class LocalCluster:
         self.coordinator_address = f"127.0.0.1:{int(port_file.read_text())}"
         common = ["--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0", "--grace-s", str(self.grace_s)]
         for shard_id in range(self.cfg.cluster.ps_shards):
-            self._spawn(f"ps-{shard_id}", "ps_server", [*common, "--shard-id", str(shard_id)])
+            self._spawn(f"ps-{shard_id}", "pstrain.ps_server", [*common, "--shard-id", str(shard_id)])
         for index in range(self.cfg.cluster.workers):
-            self._spawn(f"worker-{index}", "worker", common)
+            self._spawn(f"worker-{index}", "pstrain.worker", common)
 
     def _raise_if_dead(self) -> None:
         for proc in self.processes:

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from coordinator.config import JobConfig, load_config
-from coordinator.errors import ConfigError
-from coordinator.local_cluster import LocalCluster, last_metrics, run_local
-from coordinator.model_state import ModelState
-from coordinator.plan import make_plan
-from coordinator.planning import describe, plan_job
-from protos.atomic_io import atomic_write
-from protos.factories import FactoryError, build_dataset, build_model, import_object
+from pstrain.coordinator.config import JobConfig, load_config
+from pstrain.coordinator.errors import ConfigError
+from pstrain.launcher.local_cluster import LocalCluster, last_metrics, run_local
+from pstrain.coordinator.model_state import ModelState
+from pstrain.coordinator.plan import make_plan
+from pstrain.coordinator.planning import describe, plan_job
+from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.factories import FactoryError, build_dataset, build_model, import_object
 
 
 def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:

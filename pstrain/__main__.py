@@ -1,0 +1,5 @@
+import sys
+
+from pstrain.launcher.cli import main
+
+sys.exit(main())
