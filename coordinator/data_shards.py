@@ -1,4 +1,4 @@
-"""Data shards: which samples each worker trains on, and who holds which shard (S2.5 bookkeeping).
+"""Data shards: which samples each worker trains on, and who holds which data shard (S2.5 bookkeeping).
 
 An epoch is a permutation of the dataset (seeded by job seed + epoch) cut into shards of
 ``shard_size``. A shard is recorded against the worker it is dispatched to and the record is
@@ -19,7 +19,7 @@ from pstrain.coordinator.errors import UnknownMember
 
 @dataclass(frozen=True)
 class DataShardAssignment:
-    shard_id: int
+    data_shard_id: int
     epoch: int
     indices: list[int]
 
@@ -40,9 +40,9 @@ class DataShardTracker:
         self.shuffle = shuffle
         self.seed = seed
         self.shards_per_epoch = -(-dataset_size // shard_size)
-        self._next = 0  # next fresh shard id
+        self._next = 0  # next fresh data shard id
         self._requeued: deque[DataShardAssignment] = deque()
-        self._doing: dict[int, tuple[int, DataShardAssignment]] = {}  # shard id -> (worker, shard)
+        self._doing: dict[int, tuple[int, DataShardAssignment]] = {}  # data shard id -> (worker, data shard)
         self._done = 0
         self._perm_epoch = -1
         self._perm = torch.arange(0)
@@ -59,25 +59,25 @@ class DataShardTracker:
         return self._perm
 
     def _fresh(self) -> DataShardAssignment:
-        shard_id = self._next
+        data_shard_id = self._next
         self._next += 1
-        epoch, k = divmod(shard_id, self.shards_per_epoch)
+        epoch, k = divmod(data_shard_id, self.shards_per_epoch)
         order = self._order(epoch)
         indices = order[k * self.shard_size : (k + 1) * self.shard_size].tolist()
-        return DataShardAssignment(shard_id, epoch, indices)
+        return DataShardAssignment(data_shard_id, epoch, indices)
 
     def dispatch(self, worker_id: int) -> DataShardAssignment:
         with self._lock:
-            shard = self._requeued.popleft() if self._requeued else self._fresh()
-            self._doing[shard.shard_id] = (worker_id, shard)
-            return shard
+            data_shard = self._requeued.popleft() if self._requeued else self._fresh()
+            self._doing[data_shard.data_shard_id] = (worker_id, data_shard)
+            return data_shard
 
-    def complete(self, worker_id: int, shard_id: int) -> None:
+    def complete(self, worker_id: int, data_shard_id: int) -> None:
         with self._lock:
-            holder = self._doing.get(shard_id)
+            holder = self._doing.get(data_shard_id)
             if holder is None or holder[0] != worker_id:
-                raise UnknownMember(f"data shard {shard_id} is not held by worker {worker_id}")
-            del self._doing[shard_id]
+                raise UnknownMember(f"data shard {data_shard_id} is not held by worker {worker_id}")
+            del self._doing[data_shard_id]
             self._done += 1
 
     def outstanding(self, worker_id: int) -> list[int]:

@@ -28,7 +28,14 @@ import torch
 
 from pstrain.coordinator.data_shards import DataShardAssignment, DataShardTracker
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
-from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy, IterativeEstimate, Probe, estimate, shrunk_batch
+from pstrain.planner.memory_estimate import (
+    EstimateMode,
+    EstimatePolicy,
+    IterativeEstimate,
+    Probe,
+    estimate,
+    shrunk_batch,
+)
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import Plan
 from pstrain.protos import pstrain_pb2 as pb

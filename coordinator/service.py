@@ -79,11 +79,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @translate
     def RequestDataShard(self, request: pb.DataShardRequest, context: grpc.ServicerContext) -> pb.DataShard:
         shard = self.job.request_data_shard(request.worker_id)
-        return pb.DataShard(shard_id=shard.shard_id, epoch=shard.epoch, indices=shard.indices)
+        return pb.DataShard(data_shard_id=shard.data_shard_id, epoch=shard.epoch, indices=shard.indices)
 
     @translate
     def CompleteDataShard(self, request: pb.CompleteDataShardRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.job.complete_data_shard(request.worker_id, request.shard_id)
+        self.job.complete_data_shard(request.worker_id, request.data_shard_id)
         return pb.Empty()
 
     @translate

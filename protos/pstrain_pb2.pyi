@@ -347,22 +347,22 @@ class DataShardRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
 
 class DataShard(_message.Message):
-    __slots__ = ("shard_id", "epoch", "indices")
-    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("data_shard_id", "epoch", "indices")
+    DATA_SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
-    shard_id: int
+    data_shard_id: int
     epoch: int
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard_id: _Optional[int] = ..., epoch: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, data_shard_id: _Optional[int] = ..., epoch: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompleteDataShardRequest(_message.Message):
-    __slots__ = ("worker_id", "shard_id")
+    __slots__ = ("worker_id", "data_shard_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    shard_id: int
-    def __init__(self, worker_id: _Optional[int] = ..., shard_id: _Optional[int] = ...) -> None: ...
+    data_shard_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., data_shard_id: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("worker_id", "step", "loss", "samples", "step_s")

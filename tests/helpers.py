@@ -109,7 +109,17 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05): 
 
 def run_local(job: Path, out: Path, marker: str, timeout_s: float = 240, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
     """Run ``pstrain local`` as a real process and return the CompletedProcess."""
-    cmd = [sys.executable, "-m", "pstrain.launcher.cli", "local", "--config", str(job), "--out", str(out), *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pstrain.launcher.cli",
+        "local",
+        "--config",
+        str(job),
+        "--out",
+        str(out),
+        *(extra or []),
+    ]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(marker), capture_output=True, text=True, timeout=timeout_s)
 
 

@@ -107,7 +107,15 @@ def test_adam_with_services_started_by_hand(tmp_path):
             )
 
         try:
-            spawn("pstrain.coordinator", "--config", str(job), "--out", str(tmp_path / "out"), "--port-file", str(port_file))
+            spawn(
+                "pstrain.coordinator",
+                "--config",
+                str(job),
+                "--out",
+                str(tmp_path / "out"),
+                "--port-file",
+                str(port_file),
+            )
             wait_for(port_file.exists, 60, "the coordinator's port file")
             address = f"127.0.0.1:{int(port_file.read_text())}"
             for shard in range(SHARDS):

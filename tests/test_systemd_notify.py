@@ -65,14 +65,18 @@ def test_coordinator_and_ps_notify_and_stop_cleanly(tmp_path, notify_socket):
     job = write_job(tmp_path / "job.yaml")
     port_file = tmp_path / "port"
     coordinator = spawn(
-        ["pstrain.coordinator", "--config", str(job), "--bind", "127.0.0.1:0", "--port-file", str(port_file)], marker, path
+        ["pstrain.coordinator", "--config", str(job), "--bind", "127.0.0.1:0", "--port-file", str(port_file)],
+        marker,
+        path,
     )
     ps = None
     try:
         assert "READY=1" in messages_until(sock, "READY=1", [coordinator, ps])
         assert port_file.exists(), "READY=1 comes only once the server is serving"
         address = f"127.0.0.1:{int(port_file.read_text())}"
-        ps = spawn(["pstrain.ps_server", "--coordinator", address, "--shard-id", "0", "--bind", "127.0.0.1:0"], marker, path)
+        ps = spawn(
+            ["pstrain.ps_server", "--coordinator", address, "--shard-id", "0", "--bind", "127.0.0.1:0"], marker, path
+        )
         assert "READY=1" in messages_until(sock, "READY=1", [coordinator, ps])
         ps.send_signal(signal.SIGTERM)
         assert "STOPPING=1" in messages_until(sock, "STOPPING=1", [coordinator, ps])

@@ -86,7 +86,7 @@ class ListSource:
 
     def request(self):
         shard_id, indices = self.shards.pop(0)
-        return pb.DataShard(shard_id=shard_id, indices=indices)
+        return pb.DataShard(data_shard_id=shard_id, indices=indices)
 
     def complete(self, shard_id):
         self.completed.append(shard_id)

@@ -38,9 +38,10 @@ class CoordinatorLink:
     def request(self) -> pb.DataShard:
         return self._stub.RequestDataShard(pb.DataShardRequest(worker_id=self.worker_id), timeout=CONTROL_TIMEOUT_S)
 
-    def complete(self, shard_id: int) -> None:
+    def complete(self, data_shard_id: int) -> None:
         self._stub.CompleteDataShard(
-            pb.CompleteDataShardRequest(worker_id=self.worker_id, shard_id=shard_id), timeout=CONTROL_TIMEOUT_S
+            pb.CompleteDataShardRequest(worker_id=self.worker_id, data_shard_id=data_shard_id),
+            timeout=CONTROL_TIMEOUT_S,
         )
 
     # StepReporter

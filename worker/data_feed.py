@@ -1,7 +1,7 @@
 """Turns the coordinator's data shards into this worker's per-step batches.
 
 A step's batch may span shards. A shard is reported done only after the step that consumed
-its last sample has been pushed, so a worker that dies mid-step never loses a shard (S2.5).
+its last sample has been pushed, so a worker that dies mid-step never loses a data shard (S2.5).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class ShardSource(Protocol):
 
     def request(self) -> pb.DataShard: ...
 
-    def complete(self, shard_id: int) -> None: ...
+    def complete(self, data_shard_id: int) -> None: ...
 
 
 @dataclass
@@ -35,22 +35,22 @@ class DataFeed:
     def _fill(self, count: int) -> None:
         """Request data shards until at least ``count`` samples are queued."""
         while len(self._queue) < count:
-            shard = self.source.request()
-            if not shard.indices:
-                raise RuntimeError(f"coordinator sent data shard {shard.shard_id} without samples")
-            self._queue.extend((index, shard.shard_id) for index in shard.indices)
-            self._left[shard.shard_id] = len(shard.indices)
+            data_shard = self.source.request()
+            if not data_shard.indices:
+                raise RuntimeError(f"coordinator sent data shard {data_shard.data_shard_id} without samples")
+            self._queue.extend((index, data_shard.data_shard_id) for index in data_shard.indices)
+            self._left[data_shard.data_shard_id] = len(data_shard.indices)
 
     def next_indices(self, count: int) -> list[int]:
         self._fill(count)
         indices = []
         for _ in range(count):
-            index, shard_id = self._queue.popleft()
+            index, data_shard_id = self._queue.popleft()
             indices.append(index)
-            self._left[shard_id] -= 1
-            if self._left[shard_id] == 0:  # its last sample is in this step
-                del self._left[shard_id]
-                self._exhausted.append(shard_id)
+            self._left[data_shard_id] -= 1
+            if self._left[data_shard_id] == 0:  # its last sample is in this step
+                del self._left[data_shard_id]
+                self._exhausted.append(data_shard_id)
         return indices
 
     def peek_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +67,6 @@ class DataFeed:
 
     def commit(self) -> None:
         """The step that used the exhausted shards is safely pushed: report them done."""
-        for shard_id in self._exhausted:
-            self.source.complete(shard_id)
+        for data_shard_id in self._exhausted:
+            self.source.complete(data_shard_id)
         self._exhausted.clear()
