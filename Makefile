@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test proto lint bench clean
+.PHONY: venv demo test proto lint wheel bench clean
 
 $(BIN)/pstrain: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,12 +23,19 @@ test: venv  ## the whole test suite
 proto: venv  ## regenerate protos/pstrain_pb2*.py from protos/pstrain.proto
 	$(BIN)/python -m pstrain.protos.codegen
 
-lint: venv
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy protos ps_server worker coordinator
+lint: venv  ## ruff, mypy over every pstrain package (see .ci/typecheck.py), ansible-lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python .ci/typecheck.py
 	cd ansible && ../$(BIN)/ansible-lint site.yml
+
+# A stale build/ would put modules that no longer exist into the wheel, so it goes first.
+wheel: venv  ## dist/pstrain-<version>-py3-none-any.whl: for `pip install` or Ansible's pstrain_wheel
+	rm -rf build
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 bench: venv
 	$(BIN)/python bench/pushpull.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build dist *.egg-info

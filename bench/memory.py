@@ -28,8 +28,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pstrain.planner.memory_plan import MemoryBudget, max_batch, parse_bytes, s15_max_batch  # noqa: E402
+from pstrain.planner.memory_plan import MemoryBudget, max_batch, s15_max_batch  # noqa: E402
 from pstrain.planner.profiler import profile_model  # noqa: E402
+from pstrain.runtime.units import parse_bytes  # noqa: E402
 from pstrain.worker.offload import SwapToHost, apply_layer_policies  # noqa: E402
 
 CE = nn.functional.cross_entropy

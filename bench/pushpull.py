@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from pstrain.protos import pstrain_pb2 as pb  # noqa: E402
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
+from pstrain.ps_server.service import ParameterServerServicer  # noqa: E402
+from pstrain.ps_server.shard import ParameterShard  # noqa: E402
 from pstrain.runtime.ps_client import PsClient  # noqa: E402
 from pstrain.runtime.shard_map import shard_ranges  # noqa: E402
 from pstrain.runtime.transport import start_server  # noqa: E402
-from pstrain.ps_server.service import ParameterServerServicer  # noqa: E402
-from pstrain.ps_server.shard import ParameterShard  # noqa: E402
 
 MB = 1e6
 

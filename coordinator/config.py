@@ -1,7 +1,8 @@
 """The job file, parsed once into frozen dataclasses.
 
 Every key is checked: unknown keys, wrong types and impossible values raise ConfigError
-naming the key (``optimizer.lr``) and what would fix it. Nothing downstream sees YAML.
+naming the key (``optimizer.lr``) and what would fix it. Nothing downstream sees YAML. Choice
+fields are ``Literal`` types: the schema lists the allowed values when a job file gives another.
 """
 
 from __future__ import annotations
@@ -11,21 +12,39 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from pstrain.coordinator.errors import ConfigError
-from pstrain.planner.memory_plan import parse_bytes
+from pstrain.runtime.optimizers import BadOption, OptimizerName, optimizer_entry
+from pstrain.runtime.units import parse_bytes
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCALINGS = ("linear", "sqrt", "none", "auto")
-MEMORY_POLICIES = ("auto", "keep", "swap")
+LrScaling = Literal["linear", "sqrt", "none", "auto"]
+MemoryPolicy = Literal["auto", "keep", "swap"]
+EstimateName = Literal["factor", "increment", "iterative"]
 
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def _choice_error(key: str, value: Any, hint: Any) -> ConfigError:
+    return ConfigError(f"{key}: {value!r} is not one of {', '.join(str(c) for c in typing.get_args(hint))}")
+
+
+def _is_choice(value: Any, hint: Any) -> bool:
+    return any(value == c and type(value) is type(c) for c in typing.get_args(hint))
+
+
+def _check_choices(section: Any, prefix: str) -> None:
+    """The ``Literal`` fields of a section built in code rather than parsed (parsing checks them first)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        hint, value = hints[f.name], getattr(section, f.name)
+        if typing.get_origin(hint) is Literal and not _is_choice(value, hint):
+            raise _choice_error(f"{prefix}.{f.name}", value, hint)
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "sgd"
+    """The optimizer every PS shard runs; which options apply and their rules come from its registry entry."""
+
+    name: OptimizerName = "sgd"
     lr: float = 0.1
     """Single-device learning rate; the plan scales it (batch.lr_scaling)."""
     momentum: float = 0.0
@@ -68,21 +89,26 @@ class OptimizerConfig:
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        _require(self.name in OPTIMIZERS, "optimizer.name", f"{self.name!r} is not one of {', '.join(OPTIMIZERS)}")
+        _check_choices(self, "optimizer")
         _require(self.lr > 0, "optimizer.lr", f"must be positive, got {self.lr}")
-        _require(self.momentum >= 0, "optimizer.momentum", f"must be non-negative, got {self.momentum}")
-        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be non-negative, got {self.weight_decay}")
-        _require(
-            not self.nesterov or (self.momentum > 0 and self.dampening == 0),
-            "optimizer.nesterov",
-            "needs momentum > 0 and dampening 0",
-        )
-        _require(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            "optimizer.betas",
-            f"must be two numbers in [0, 1), got {self.betas}",
-        )
-        _require(self.eps > 0, "optimizer.eps", f"must be positive, got {self.eps}")
+        entry = optimizer_entry(self.name)
+        for f in dataclasses.fields(self):
+            if f.name in ("name", "lr") or f.name in entry.options:
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            _require(
+                getattr(self, f.name) == default,
+                f"optimizer.{f.name}",
+                f"{self.name} does not use it; remove it (it takes {', '.join(entry.options)})",
+            )
+        try:
+            entry.validate(self.options())
+        except BadOption as exc:
+            raise ConfigError(f"optimizer.{exc.option}: {exc.message}") from None
+
+    def options(self) -> dict[str, Any]:
+        """The options this optimizer takes, by job-file key: what its registry entry validates and builds with."""
+        return {key: getattr(self, key) for key in optimizer_entry(self.name).options}
 
 
 @dataclass(frozen=True)
@@ -91,7 +117,7 @@ class BatchConfig:
     """Samples per device per step, or "auto": the largest the memory plan allows (S1.5)."""
     max_per_device: int | None = None
     """Upper bound for "auto" (the largest batch that fits is not always the best one)."""
-    lr_scaling: str = "linear"
+    lr_scaling: LrScaling = "linear"
     """linear: lr x devices (S1.6); sqrt: lr x sqrt(devices); none; auto: sqrt for Adam-type, else linear."""
     warmup_steps: int = 0
     """Linear warmup of the scaled learning rate over this many steps."""
@@ -104,11 +130,7 @@ class BatchConfig:
         else:
             _require(self.per_device >= 1, "batch.per_device", f"must be at least 1, got {self.per_device}")
         _require(self.max_per_device is None or self.max_per_device >= 1, "batch.max_per_device", "must be at least 1")
-        _require(
-            self.lr_scaling in LR_SCALINGS,
-            "batch.lr_scaling",
-            f"{self.lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}",
-        )
+        _check_choices(self, "batch")
         _require(self.warmup_steps >= 0, "batch.warmup_steps", f"must be non-negative, got {self.warmup_steps}")
 
 
@@ -178,7 +200,7 @@ class MemoryConfig:
     """Device<->host bandwidth ("12GB/s"); default: measured on this host's GPU, else 12GB/s."""
     margin: float = 0.1
     """Fraction of device memory the plan leaves free."""
-    policy: str = "auto"
+    policy: MemoryPolicy = "auto"
     """auto: the planner's keep/swap/recompute per layer; keep: no offload; swap: swap every layer."""
     prefetch: int = 2
     """Saved tensors copied back ahead of backward's need."""
@@ -190,7 +212,7 @@ class MemoryConfig:
     """The two batch sizes whose difference gives the per-sample figures."""
     probe: bool = False
     """Before the other workers start, worker 0 runs one real iteration and reports its peak (S2.1)."""
-    estimate: str = "factor"
+    estimate: EstimateName = "factor"
     """How the probe's peak becomes every worker's memory (S2.2): factor, increment or iterative."""
     factor: float = 1.25
     increment: str = "1GiB"
@@ -200,14 +222,9 @@ class MemoryConfig:
     """Shrink-and-probe-again rounds before the job fails."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "memory")
         _require(0 <= self.margin < 1, "memory.margin", f"must be in [0, 1), got {self.margin}")
-        _require(self.policy in MEMORY_POLICIES, "memory.policy", f"{self.policy!r} is not one of auto, keep, swap")
         _require(self.prefetch >= 0, "memory.prefetch", "must be non-negative")
-        _require(
-            self.estimate in ("factor", "increment", "iterative"),
-            "memory.estimate",
-            f"{self.estimate!r} is not one of factor, increment, iterative",
-        )
         _require(self.factor >= 1, "memory.factor", f"must be at least 1, got {self.factor}")
         _require(0 < self.target_utilization <= 1, "memory.target_utilization", "must be in (0, 1]")
         _require(self.max_probe_rounds >= 1, "memory.max_probe_rounds", "must be at least 1")
@@ -281,6 +298,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return _is_choice(value, hint)
     if hint is type(None):
         return value is None
     if hint is Any:
@@ -298,6 +317,13 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 
 def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(h) for h in typing.get_args(hint))
+    if origin is Literal:
+        return " | ".join(repr(c) for c in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
@@ -322,6 +348,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             values[f.name] = _build(typing.cast(type, hint), value if value is not None else {}, key)
             continue
         if not _type_ok(value, hint):
+            if typing.get_origin(hint) is Literal:
+                raise _choice_error(key, value, hint)
             raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")
         values[f.name] = float(value) if hint is float else value
     return cls(**values)

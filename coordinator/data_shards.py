@@ -1,9 +1,13 @@
 """Data shards: which samples each worker trains on, and who holds which data shard (S2.5 bookkeeping).
 
-An epoch is a permutation of the dataset (seeded by job seed + epoch) cut into shards of
-``shard_size``. A shard is recorded against the worker it is dispatched to and the record is
-cleared when that worker reports it done; shards of a failed worker can be requeued so no
-data is lost.
+A data shard is a slice of one epoch's sample order, never a PS shard (see ``runtime.shard_map``).
+An epoch is a permutation of the dataset (seeded by job seed + epoch) cut into data shards of
+``data_shard_size`` samples (the job file's ``data.shard_size``). A data shard is recorded against
+the worker it is dispatched to and the record is cleared when that worker reports it done; the
+data shards of a failed worker can be requeued (``outstanding``/``requeue``, used by the fault
+tolerance of S2.5) so no data is lost.
+
+Thread-safe on its own: the tracker's lock is a leaf lock, never held while calling out.
 """
 
 from __future__ import annotations
@@ -25,21 +29,21 @@ class DataShardAssignment:
 
 
 @dataclass(frozen=True)
-class ShardCounts:
+class DataShardCounts:
     todo: int  # left in the current epoch (plus requeued)
     doing: int
     done: int
 
 
 class DataShardTracker:
-    def __init__(self, dataset_size: int, shard_size: int, shuffle: bool, seed: int) -> None:
+    def __init__(self, dataset_size: int, data_shard_size: int, shuffle: bool, seed: int) -> None:
         if dataset_size <= 0:
             raise ValueError("the dataset is empty")
         self.dataset_size = dataset_size
-        self.shard_size = shard_size
+        self.data_shard_size = data_shard_size
         self.shuffle = shuffle
         self.seed = seed
-        self.shards_per_epoch = -(-dataset_size // shard_size)
+        self.data_shards_per_epoch = -(-dataset_size // data_shard_size)
         self._next = 0  # next fresh data shard id
         self._requeued: deque[DataShardAssignment] = deque()
         self._doing: dict[int, tuple[int, DataShardAssignment]] = {}  # data shard id -> (worker, data shard)
@@ -61,10 +65,10 @@ class DataShardTracker:
     def _fresh(self) -> DataShardAssignment:
         data_shard_id = self._next
         self._next += 1
-        epoch, k = divmod(data_shard_id, self.shards_per_epoch)
+        epoch, k = divmod(data_shard_id, self.data_shards_per_epoch)
         order = self._order(epoch)
-        indices = order[k * self.shard_size : (k + 1) * self.shard_size].tolist()
-        return DataShardAssignment(data_shard_id, epoch, indices)
+        size = self.data_shard_size
+        return DataShardAssignment(data_shard_id, epoch, order[k * size : (k + 1) * size].tolist())
 
     def dispatch(self, worker_id: int) -> DataShardAssignment:
         with self._lock:
@@ -81,18 +85,19 @@ class DataShardTracker:
             self._done += 1
 
     def outstanding(self, worker_id: int) -> list[int]:
+        """The ids of the data shards a worker holds and has not completed (S2.5: what a failure loses)."""
         with self._lock:
-            return sorted(sid for sid, (w, _) in self._doing.items() if w == worker_id)
+            return sorted(dsid for dsid, (w, _) in self._doing.items() if w == worker_id)
 
     def requeue(self, worker_id: int) -> list[int]:
-        """Put a failed worker's unfinished shards first in line; returns their ids."""
+        """Put a failed worker's unfinished data shards first in line (S2.5); returns their ids."""
         with self._lock:
-            mine = sorted((sid for sid, (w, _) in self._doing.items() if w == worker_id))
-            for sid in reversed(mine):
-                self._requeued.appendleft(self._doing.pop(sid)[1])
+            mine = sorted(dsid for dsid, (w, _) in self._doing.items() if w == worker_id)
+            for dsid in reversed(mine):
+                self._requeued.appendleft(self._doing.pop(dsid)[1])
             return mine
 
-    def counts(self) -> ShardCounts:
+    def counts(self) -> DataShardCounts:
         with self._lock:
-            left_in_epoch = self.shards_per_epoch - self._next % self.shards_per_epoch
-            return ShardCounts(todo=left_in_epoch + len(self._requeued), doing=len(self._doing), done=self._done)
+            left_in_epoch = self.data_shards_per_epoch - self._next % self.data_shards_per_epoch
+            return DataShardCounts(todo=left_in_epoch + len(self._requeued), doing=len(self._doing), done=self._done)

@@ -14,15 +14,19 @@ class InvalidRequest(CoordinatorError):
 
 
 class UnknownMember(CoordinatorError):
-    """A worker or shard id that never registered, or a data shard it was never given."""
+    """A worker or PS shard id that never registered, or a data shard it was never given."""
 
 
 class WrongState(CoordinatorError):
     """The job is not in a state where this request can be served."""
 
 
+class ProbeFailed(WrongState):
+    """The master's probe still overflowed the device after the allowed rounds; the job fails."""
+
+
 class AlreadyRegistered(CoordinatorError):
-    """A shard id taken by another live process."""
+    """A PS shard id taken by another live process."""
 
 
 class NoFreeSlot(CoordinatorError):

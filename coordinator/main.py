@@ -29,6 +29,7 @@ from pstrain.runtime.factories import FactoryError, build_dataset
 from pstrain.runtime.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
 from pstrain.runtime.metrics import serve_metrics
+from pstrain.runtime.ps_api import RetryPolicy, with_retries
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.security import INSECURE, SecurityError, TransportSecurity, security_from_args
 from pstrain.runtime.transport import host_of, start_server
@@ -71,7 +72,7 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         )
         try:
             flat = torch.empty(spec.total_params, dtype=torch.float32)
-            client.pull(version, flat)
+            with_retries(lambda: client.pull(version, flat), RetryPolicy(), threading.Event().wait)
             return flat
         finally:
             client.close()

@@ -10,7 +10,8 @@ import torch
 from pstrain.coordinator.config import JobConfig
 from pstrain.coordinator.errors import ConfigError
 from pstrain.runtime.atomic_io import atomic_write
-from pstrain.runtime.factories import FactoryError, ParamLayout, build_model
+from pstrain.runtime.factories import FactoryError, build_model
+from pstrain.runtime.layout import ParamLayout
 
 
 class ModelState:
@@ -41,11 +42,8 @@ class ModelState:
         """The trained model under its own keys: parameters from ``flat``, buffers as uploaded."""
         if flat.numel() != self.layout.total:
             raise ValueError(f"flat vector has {flat.numel()} elements, the model {self.layout.total}")
+        self.layout.unflatten_into(self.model, flat)
         with torch.no_grad():
-            for param, offset, shape in zip(
-                self.model.parameters(), self.layout.offsets, self.layout.shapes, strict=True
-            ):
-                param.copy_(flat[offset : offset + param.numel()].view(shape))
             own = dict(self.model.named_buffers())
             for name, value in buffers.items():
                 if name not in own or own[name].shape != value.shape:

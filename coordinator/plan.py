@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from pstrain.coordinator.config import JobConfig
 from pstrain.coordinator.errors import ConfigError
-from pstrain.planner.memory_plan import parse_bytes
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.runtime.factories import ParamLayout
+from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.optimizers import optimizer_entry
 from pstrain.runtime.schedule import learning_rate
+from pstrain.runtime.units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def lr_scaling_for(cfg: JobConfig) -> str:
     """``auto``: sqrt for Adam-type optimizers (their step is already normalised), linear otherwise."""
     if cfg.batch.lr_scaling != "auto":
         return cfg.batch.lr_scaling
-    return "sqrt" if cfg.optimizer.name in ("adam", "adamw") else "linear"
+    return "sqrt" if optimizer_entry(cfg.optimizer.name).adaptive else "linear"
 
 
 def make_plan(cfg: JobConfig, per_device: int | None = None) -> Plan:

@@ -17,27 +17,27 @@ from torch.utils.data import Dataset, default_collate
 
 from pstrain.coordinator.config import JobConfig
 from pstrain.coordinator.errors import ConfigError
-from pstrain.coordinator.job import ProbeSetup
+from pstrain.coordinator.plan import Plan, make_plan
+from pstrain.coordinator.probe import ProbeSetup
 from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy
 from pstrain.planner.memory_plan import (
     MemoryBudget,
     MemoryPlan,
     Policy,
     max_batch,
-    parse_bytes,
     peak_bytes,
     plan_for_batch,
     s15_max_batch,
 )
-from pstrain.coordinator.plan import Plan, make_plan
+from pstrain.planner.profiler import ModelProfile, profile_model
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import resolve_loss
-from pstrain.planner.profiler import ModelProfile, profile_model
+from pstrain.runtime.optimizers import optimizer_entry
+from pstrain.runtime.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH = 12e9  # PCIe 3.0 x16, what a host-to-device copy reaches in practice
-OPTIMIZER_STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def _all_swap(memory: MemoryPlan, profile: ModelProfile, budget: MemoryBudget) -
 def ps_bytes(cfg: JobConfig, total_params: int) -> int:
     """Parameters, the gradient accumulator and the optimizer state of the largest shard."""
     shard = -(-total_params // cfg.cluster.ps_shards)
-    return shard * 4 * (2 + OPTIMIZER_STATE_TENSORS.get(cfg.optimizer.name, 2))
+    return shard * 4 * (2 + optimizer_entry(cfg.optimizer.name).state_tensors)
 
 
 def describe(job: JobPlan) -> str:

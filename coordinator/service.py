@@ -1,4 +1,7 @@
-"""gRPC adapter for the Job: translate messages, call the job, map errors to status codes."""
+"""gRPC adapter for the Job: translate messages, call the job, map errors to status codes.
+
+The only place in the coordinator where protobuf messages become the core's dataclasses and back.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,10 @@ from collections.abc import Iterator
 import grpc
 
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
-from pstrain.coordinator.job import Directive, Job
+from pstrain.coordinator.job import Directive, Job, JobStatusView
+from pstrain.coordinator.ledger import Progress, StepReport
+from pstrain.coordinator.probe import ProbeReport
+from pstrain.planner.memory_estimate import Probe
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks
@@ -29,6 +35,59 @@ DEFAULT_CLUSTER_WAIT_S = 600.0
 
 def _directive(d: Directive) -> pb.Directive:
     return pb.Directive(stop=d.stop, state=d.state.name, reason=d.reason)
+
+
+def _probe_report(m: pb.ProbeReport) -> ProbeReport:
+    return ProbeReport(m.worker_id, Probe(m.per_device_batch, m.device_peak_bytes, m.host_peak_bytes, m.limit_bytes))
+
+
+def _step_report(m: pb.StepReport) -> StepReport:
+    return StepReport(worker_id=m.worker_id, step=m.step, loss=m.loss, samples=m.samples, step_s=m.step_s)
+
+
+def _progress_event(p: Progress) -> pb.ProgressEvent:
+    if p.record is None:
+        return pb.ProgressEvent(step=p.completed, state=p.state.name, message=p.message)
+    return pb.ProgressEvent(
+        step=p.record.step,
+        loss=p.record.loss,
+        lr=p.record.lr,
+        global_batch=p.record.global_batch,
+        samples_per_s=p.record.samples_per_s,
+        state=p.state.name,
+        message=p.message,
+    )
+
+
+def _job_status(s: JobStatusView) -> pb.JobStatus:
+    return pb.JobStatus(
+        job_id=s.job_id,
+        state=s.state.name,
+        step=s.step,
+        steps=s.steps,
+        per_device_batch=s.per_device_batch,
+        global_batch=s.global_batch,
+        lr=s.lr,
+        members=[
+            pb.MemberStatus(
+                role=m.role,
+                id=m.id,
+                address=m.address,
+                alive=m.alive,
+                last_seen_s_ago=m.last_seen_s_ago,
+                metrics_address=m.metrics_address,
+            )
+            for m in s.members
+        ],
+        data_shards_todo=s.data_shards.todo,
+        data_shards_doing=s.data_shards.doing,
+        data_shards_done=s.data_shards.done,
+        message=s.message,
+        metrics_address=s.metrics_address,
+        global_lr=s.global_lr,
+        worker_device_memory_bytes=s.worker_device_memory_bytes,
+        worker_host_memory_bytes=s.worker_host_memory_bytes,
+    )
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -66,20 +125,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WaitForCluster(self, request: pb.WaitForClusterRequest, context: grpc.ServicerContext) -> pb.ClusterView:
         remaining = context.time_remaining()
         timeout = DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining
-        addresses, spec, probe = self.job.wait_for_cluster(timeout, request.worker_id)
-        return pb.ClusterView(ps_addresses=addresses, state=self.job.state.name, job=spec, probe=probe)
+        view = self.job.wait_for_cluster(timeout, request.worker_id)
+        return pb.ClusterView(ps_addresses=view.ps_addresses, state=view.state.name, job=view.spec, probe=view.probe)
 
     @translate
     def ReportProbe(self, request: pb.ProbeReport, context: grpc.ServicerContext) -> pb.ProbeVerdict:
-        outcome = self.job.report_probe(request)
+        outcome = self.job.report_probe(_probe_report(request))
         return pb.ProbeVerdict(
             done=outcome.done, job=outcome.spec, limit_bytes=outcome.limit_bytes, message=outcome.message
         )
 
     @translate
     def RequestDataShard(self, request: pb.DataShardRequest, context: grpc.ServicerContext) -> pb.DataShard:
-        shard = self.job.request_data_shard(request.worker_id)
-        return pb.DataShard(data_shard_id=shard.data_shard_id, epoch=shard.epoch, indices=shard.indices)
+        data_shard = self.job.request_data_shard(request.worker_id)
+        return pb.DataShard(data_shard_id=data_shard.data_shard_id, epoch=data_shard.epoch, indices=data_shard.indices)
 
     @translate
     def CompleteDataShard(self, request: pb.CompleteDataShardRequest, context: grpc.ServicerContext) -> pb.Empty:
@@ -88,7 +147,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @translate
     def ReportStep(self, request: pb.StepReport, context: grpc.ServicerContext) -> pb.Directive:
-        return _directive(self.job.report_step(request))
+        return _directive(self.job.report_step(_step_report(request)))
 
     @translate
     def UploadBuffers(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Empty:
@@ -103,20 +162,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def WatchProgress(
         self, request: pb.WatchProgressRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ProgressEvent]:
-        for record, state, message in self.job.watch(request.from_step, context.is_active):
-            if record is None:
-                yield pb.ProgressEvent(step=len(self.job.records), state=state.name, message=message)
-            else:
-                yield pb.ProgressEvent(
-                    step=record.step,
-                    loss=record.loss,
-                    lr=record.lr,
-                    global_batch=record.global_batch,
-                    samples_per_s=record.samples_per_s,
-                    state=state.name,
-                    message=message,
-                )
+        for progress in self.job.watch(request.from_step, context.is_active):
+            yield _progress_event(progress)
 
     @translate
     def GetJobStatus(self, request: pb.JobStatusRequest, context: grpc.ServicerContext) -> pb.JobStatus:
-        return self.job.status()
+        return _job_status(self.job.status())

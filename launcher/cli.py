@@ -11,10 +11,10 @@ import torch
 
 from pstrain.coordinator.config import JobConfig, load_config
 from pstrain.coordinator.errors import ConfigError
-from pstrain.launcher.local_cluster import LocalCluster, last_metrics, run_local
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import make_plan
 from pstrain.coordinator.planning import describe, plan_job
+from pstrain.launcher.local_cluster import LocalCluster, last_metrics, run_local
 from pstrain.runtime.atomic_io import atomic_write
 from pstrain.runtime.factories import FactoryError, build_dataset, build_model, import_object
 

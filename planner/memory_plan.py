@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 from dataclasses import dataclass
 
 from pstrain.planner.profiler import LayerProfile, ModelProfile
@@ -155,27 +154,3 @@ def s15_max_batch(profile: ModelProfile, device_bytes: int) -> int:
     """S1.5 as written: GPU memory / the per-sample data size of the layer that needs the most."""
     largest = profile.largest_layer().saved_bytes_per_sample
     return math.floor(device_bytes / largest) if largest > 0 else 0
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``"80GiB"``, ``"512MB"``, ``"1.5e9"`` -> bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    units = {
-        "": 1,
-        "b": 1,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-    }
-    match = re.fullmatch(
-        r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([a-z]*)", text.strip().lower().replace(" ", "").removesuffix("/s")
-    )
-    if match is None or match.group(2) not in units:
-        raise ValueError(f"cannot read {text!r} as a size: use e.g. 80GiB, 512MB or 1e9")
-    return int(float(match.group(1)) * units[match.group(2)])

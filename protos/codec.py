@@ -1,8 +1,21 @@
 """Tensors on the wire: raw little-endian bytes in chunks.
 
-Sending makes exactly one copy (tensor memory -> the ``bytes`` protobuf needs); receiving
-makes exactly one copy (each chunk's bytes -> the preallocated destination). Nothing loops
-over elements in Python and nothing is pickled.
+Nothing loops over elements in Python and nothing is pickled, but the bytes are copied many
+times. Counted per chunk and direction with gdb on every libc memcpy of 4 KiB or more, one
+push and one pull of a 4 MiB shard over loopback (protobuf 7.36 upb, grpcio 1.85), each
+direction copies every payload byte 14 times in user space, besides the kernel's socket copies:
+
+    sender, 8:   ``tobytes`` of the tensor's memory (``encode_chunks``); into the TensorChunk's
+                 arena; 3 to nest the chunk in a PushRequest / PullReply (upb's MergeFrom
+                 serialises the chunk to bytes and parses it back); 2 to serialise the request
+                 (encode, then a Python ``bytes``); 1 into gRPC's slice
+    receiver, 6: 2 in gRPC's Python layer (a ``bytes`` per slice, then ``b"".join``); 1 to parse
+                 the message; 2 in ``TensorAssembler.add``, which reads ``chunk.data`` twice and
+                 each read builds a new ``bytes``; 1 into the preallocated destination
+
+Streams of bare TensorChunks (FetchInitialParameters, UploadBuffers) skip the nesting: 11 by
+the same count. A push then adds (or, for a step's first contribution, copies) the staged
+gradient into the shard's accumulator; that is the update, not the wire.
 """
 
 from __future__ import annotations
@@ -140,20 +153,6 @@ class TensorAssembler:
             raise CodecError(f"stream ended after {self.filled} of {self.numel} elements")
         assert self.out is not None
         return self.out
-
-
-def decode_tensor(chunks: Iterator[pb.TensorChunk]) -> torch.Tensor:
-    """Assemble one tensor from a stream whose first chunk carries dtype and shape."""
-    first = next(chunks, None)
-    if first is None:
-        raise CodecError("empty chunk stream")
-    shape = list(first.shape)
-    numel = int(np.prod(shape)) if shape else 1
-    assembler = TensorAssembler(torch_dtype(first.dtype), numel)
-    assembler.add(first)
-    for chunk in chunks:
-        assembler.add(chunk)
-    return assembler.result().view(shape)
 
 
 def decode_named_tensors(chunks: Iterator[pb.TensorChunk]) -> dict[str, torch.Tensor]:

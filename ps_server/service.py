@@ -12,10 +12,10 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import CodecError, TensorAssembler, encode_chunks
-from pstrain.runtime.transport import abort_on_errors
 from pstrain.ps_server import metrics
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.shard import ParameterShard
+from pstrain.runtime.transport import abort_on_errors
 
 translate = abort_on_errors(
     {

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.runtime.schedule import learning_rate
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.optimizer import build_optimizer
+from pstrain.runtime.schedule import learning_rate
 
 
 @dataclass(frozen=True)

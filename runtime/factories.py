@@ -2,6 +2,7 @@
 
 Every process imports the user's code by ``pkg.module:callable`` path, so users train their
 own models without touching pstrain; this module is the single place that resolves them.
+How the built model maps to the flat parameter vector is ``runtime.layout``'s job.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,30 +67,3 @@ def resolve_loss(name: str) -> LossFn:
     if not callable(loss):
         raise FactoryError(f"loss {name!r} is not callable")
     return loss
-
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """Where each named parameter lives in the flat float32 vector (named_parameters order)."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]
-    total: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ParamLayout:
-        names, shapes, offsets = [], [], []
-        total = 0
-        for name, param in model.named_parameters():
-            if param.dtype != torch.float32:
-                raise FactoryError(f"parameter {name!r} is {param.dtype}; pstrain trains float32 parameters")
-            names.append(name)
-            shapes.append(tuple(param.shape))
-            offsets.append(total)
-            total += param.numel()
-        return cls(tuple(names), tuple(shapes), tuple(offsets), total)
-
-    def flatten(self, model: torch.nn.Module) -> torch.Tensor:
-        params = [p.detach().reshape(-1).cpu() for p in model.parameters()]
-        return torch.cat(params) if params else torch.empty(0)

@@ -1,4 +1,7 @@
-"""Process lifecycle pieces the three services share: signals, readiness, port files."""
+"""Process lifecycle pieces the three services share: signals, readiness, port files.
+
+The member processes (PS shard, worker) put them together in ``pstrain.runtime.member``.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +10,11 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import dataclass
 
 import grpc
 
 from pstrain.runtime.atomic_io import atomic_write
-from pstrain.runtime.metrics import serve_metrics
-from pstrain.runtime.security import TransportSecurity, add_security_flags, security_from_args
-from pstrain.runtime.transport import ServingServer, host_of, start_server
+from pstrain.runtime.security import add_security_flags
 
 
 def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -87,23 +87,3 @@ def add_common_flags(parser: argparse.ArgumentParser, default_bind: str) -> None
     parser.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period in seconds")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_security_flags(parser)
-
-
-@dataclass
-class Member:
-    """What a PS shard or worker process has once it listens: server, addresses, security."""
-
-    server: ServingServer
-    address: str  # what peers dial
-    metrics_address: str  # empty when metrics are off
-    security: TransportSecurity
-
-
-def start_member(args: argparse.Namespace, register: list[tuple[object, object]], service_names: list[str]) -> Member:
-    """Serve (health NOT_SERVING) and start metrics with the common flags; raises SecurityError."""
-    security = security_from_args(args)
-    server = start_server(args.bind, register, service_names, security)
-    host = getattr(args, "advertise_host", None)
-    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
-    metrics_address = advertised_address(args.bind, metrics_port, host) if metrics_port > 0 else ""
-    return Member(server, advertised_address(args.bind, server.port, host), metrics_address, security)

@@ -1,17 +1,20 @@
-"""Client side of the ParameterServer contract, shaped like ps-lite's KVWorker.
+"""The gRPC ``ParameterServerClient`` (see ``ps_api``), shaped like ps-lite's KVWorker.
 
 ``push`` slices a flat vector by the shard map and streams every slice to its shard at
 once, returning a handle to wait on; ``pull`` waits for a version and streams every shard's
 range straight into the caller's buffer. Used by workers and by the coordinator's export.
+
+Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
+raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
+``ps_api.with_retries``).
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
@@ -19,26 +22,40 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import DEFAULT_CHUNK_BYTES, TensorAssembler, encode_chunks
+from pstrain.runtime.ps_api import (
+    Cancelled,
+    InvalidRequest,
+    PsClientError,
+    PushHandle,
+    ShardAck,
+    StepConflict,
+    Unavailable,
+    UnknownWorker,
+    WaitTimeout,
+    agreed_version,
+    check_pull_buffer,
+    check_push_buffer,
+    result_of,
+)
 from pstrain.runtime.security import INSECURE, TransportSecurity
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 from pstrain.runtime.transport import open_channel
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-
-
-@dataclass
-class PushHandle:
-    """Futures of one push to every shard; ``wait`` returns the shards' replies in shard order."""
-
-    futures: list[Future[pb.PushReply]]
-
-    def wait(self) -> list[pb.PushReply]:
-        return [f.result() for f in self.futures]
+ERRORS: dict[grpc.StatusCode, type[PsClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: UnknownWorker,
+    grpc.StatusCode.FAILED_PRECONDITION: StepConflict,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: WaitTimeout,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
 
 
 class PsClient:
+    """One channel per shard, a thread per shard call in flight; safe to share between threads."""
+
     def __init__(
         self,
         addresses: list[str],
@@ -46,55 +63,68 @@ class PsClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         push_timeout_s: float = 120.0,
         pull_timeout_s: float = 600.0,
-        retries: int = 3,
         security: TransportSecurity = INSECURE,
     ) -> None:
         self.ranges: list[ShardRange] = shard_ranges(total, len(addresses))
         self.total = total
+        self._addresses = list(addresses)
         self._chunk_bytes = chunk_bytes
         self._push_timeout_s = push_timeout_s
         self._pull_timeout_s = pull_timeout_s
-        self._retries = retries
+        self._closed = threading.Event()
+        self._cancelled = threading.Event()
         self._channels = [open_channel(a, security) for a in addresses]
         self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
 
     def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
         """Send each shard its slice of ``flat`` (a contiguous float32 CPU vector), concurrently."""
-        if flat.dtype != torch.float32 or flat.numel() != self.total:
-            raise ValueError(f"push needs {self.total} float32 elements, got {flat.numel()} {flat.dtype}")
+        check_push_buffer(flat, self.total)
         return PushHandle(
-            [
-                self._pool.submit(self._push_one, r, flat[r.start : r.end], worker_id, step, device_count)
-                for r in self.ranges
-            ]
+            [self._submit(self._push_one, r, flat[r.start : r.end], worker_id, step, device_count) for r in self.ranges]
         )
 
     def pull(self, min_version: int, out: torch.Tensor) -> int:
         """Fill ``out`` with every shard's parameters at ``min_version`` or newer; return the version."""
-        if out.dtype != torch.float32 or out.numel() != self.total or not out.is_contiguous():
-            raise ValueError(f"pull needs a contiguous float32 buffer of {self.total} elements")
-        futures = [self._pool.submit(self._pull_one, r, min_version, out[r.start : r.end]) for r in self.ranges]
-        versions = [f.result() for f in futures]
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"shards returned different versions {versions}; the job is inconsistent")
-        return versions[0]
-
-    def status(self) -> list[pb.ShardStatus]:
-        return [stub.GetShardStatus(pb.ShardStatusRequest(), timeout=30) for stub in self._stubs]
+        check_pull_buffer(out, self.total)
+        futures = [self._submit(self._pull_one, r, min_version, out[r.start : r.end]) for r in self.ranges]
+        return agreed_version([result_of(f) for f in futures])
 
     def close(self, cancel: bool = False) -> None:
-        """Release the channels; with ``cancel`` in-flight calls fail at once (CANCELLED)."""
+        """Release the channels; with ``cancel`` in-flight calls fail at once with ``Cancelled``."""
+        self._closed.set()
         if cancel:
+            self._cancelled.set()
             for channel in self._channels:
-                channel.close()
+                channel.close()  # in-flight RPCs end with CANCELLED
         self._pool.shutdown(wait=True, cancel_futures=cancel)
         for channel in self._channels:
             channel.close()
 
-    def _push_one(
-        self, r: ShardRange, piece: torch.Tensor, worker_id: int, step: int, device_count: int
-    ) -> pb.PushReply:
+    def _submit(self, fn: Callable[..., T], r: ShardRange, *args: object) -> Future[T]:
+        if self._closed.is_set():
+            raise Cancelled("the parameter-server client is closed")
+        try:
+            return self._pool.submit(self._translated, fn, r, *args)
+        except RuntimeError as exc:  # the pool shut down between the check and the submit
+            raise Cancelled("the parameter-server client is closed") from exc
+
+    def _translated(self, fn: Callable[..., T], r: ShardRange, *args: object) -> T:
+        """Run one shard call, turning its status code into a ``ps_api`` error."""
+        try:
+            return fn(r, *args)
+        except grpc.RpcError as exc:
+            error = ERRORS.get(exc.code())
+            if error is None:
+                raise
+            raise error(f"shard {r.shard_id} at {self._addresses[r.shard_id]}: {exc.details()}") from exc
+        except ValueError as exc:
+            if not self._cancelled.is_set():
+                raise
+            # "Cannot invoke RPC on closed channel!": the call started after close(cancel=True)
+            raise Cancelled("the parameter-server client was closed") from exc
+
+    def _push_one(self, r: ShardRange, piece: torch.Tensor, worker_id: int, step: int, device_count: int) -> ShardAck:
         header = pb.PushHeader(
             shard_id=r.shard_id,
             worker_id=worker_id,
@@ -109,31 +139,15 @@ class PsClient:
             for chunk in encode_chunks(piece, self._chunk_bytes):
                 yield pb.PushRequest(chunk=chunk)
 
-        return self._with_retries(lambda: self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s))
+        reply = self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s)
+        return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed)
 
     def _pull_one(self, r: ShardRange, min_version: int, dest: torch.Tensor) -> int:
-        def attempt() -> int:
-            assembler = TensorAssembler(torch.float32, r.numel, out=dest)
-            version = -1
-            request = pb.PullRequest(shard_id=r.shard_id, min_version=min_version)
-            for reply in self._stubs[r.shard_id].Pull(request, timeout=self._pull_timeout_s):
-                version = reply.version
-                assembler.add(reply.chunk)
-            assembler.result()
-            return version
-
-        return self._with_retries(attempt)
-
-    def _with_retries(self, call):  # type: ignore[no-untyped-def]
-        """Retry UNAVAILABLE (a restarting shard); pushes are idempotent, pulls read-only."""
-        delay = 0.2
-        for attempt in range(self._retries + 1):
-            try:
-                return call()
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt == self._retries:
-                    raise
-                log.warning("parameter server unavailable (%s), retrying in %.1fs", exc.details(), delay)
-                time.sleep(delay)  # backoff between retries of a failed call, not a wait for a peer
-                delay *= 2
-        raise AssertionError("unreachable")
+        assembler = TensorAssembler(torch.float32, r.numel, out=dest)
+        version = -1
+        request = pb.PullRequest(shard_id=r.shard_id, min_version=min_version)
+        for reply in self._stubs[r.shard_id].Pull(request, timeout=self._pull_timeout_s):
+            version = reply.version
+            assembler.add(reply.chunk)
+        assembler.result()
+        return version

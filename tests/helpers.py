@@ -52,6 +52,36 @@ def failing_set(n: int = 64, fail_at: int = 10) -> Dataset:
     return FailingDataset(n, fail_at)
 
 
+class RecordingDataset(Dataset):
+    """``classification_set`` that appends every index it reads to ``<record_dir>/reads-<pid>.txt``.
+
+    Which worker trains which data shard depends on who asks the coordinator first, so a test
+    that checks the data split end to end needs each worker's reads in order. Opened lazily,
+    so a process that only asks for the length (the coordinator, the launcher) leaves no file.
+    """
+
+    def __init__(self, n: int, record_dir: str) -> None:
+        self.inner = classification_set(n)
+        self.record_dir = Path(record_dir)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+        with open(self.record_dir / f"reads-{os.getpid()}.txt", "a") as log:
+            log.write(f"{index}\n")
+        return self.inner[index]
+
+
+def recording_set(n: int, record_dir: str) -> Dataset:
+    return RecordingDataset(n, record_dir)
+
+
+def recorded_reads(record_dir: Path) -> list[list[int]]:
+    """Every reading process's indices, in the order it read them."""
+    return [[int(line) for line in path.read_text().split()] for path in sorted(record_dir.glob("reads-*.txt"))]
+
+
 def write_job(path: Path, **sections: object) -> Path:
     """Write a job file: a tiny default job with ``sections`` replacing whole top-level keys."""
     job: dict[str, object] = {
@@ -156,3 +186,21 @@ def stop_local(proc: subprocess.Popen, marker: str) -> None:
 def metrics_lines(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def build_wheel(dest: Path) -> Path:
+    """Build the pstrain wheel into ``dest/dist`` from a clean copy of the checkout.
+
+    Not from the checkout itself: setuptools packs whatever an earlier build left in ``build/``,
+    so a module that was moved away would still be shipped and the packaging tests would lie.
+    """
+    import shutil
+
+    source = dest / "source"
+    junk = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "runs", "__pycache__", ".*_cache")
+    shutil.copytree(REPO_ROOT, source, ignore=junk)
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest / "dist")]
+    result = subprocess.run([*cmd, str(source)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (wheel,) = (dest / "dist").glob("pstrain-*.whl")
+    return wheel

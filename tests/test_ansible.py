@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pstrain.coordinator.config import load_config
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, build_wheel
 
 ANSIBLE = REPO_ROOT / "ansible"
 BIN = Path(sys.executable).parent
@@ -40,13 +40,7 @@ def playbook(tmp: Path, inventory: Path, *extra: str) -> subprocess.CompletedPro
 def deployed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deploy")
     root = tmp / "root"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(REPO_ROOT)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    (wheel,) = (tmp / "dist").glob("pstrain-*.whl")
+    wheel = build_wheel(tmp)
     inventory = tmp / "inventory.yml"
     inventory.write_text(
         yaml.safe_dump(
@@ -118,7 +112,7 @@ def test_ansible_lint_is_clean(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_playbook_installs_everything(deployed):
+def test_playbook_installs_everything(deployed, tmp_path):
     root, first, _ = deployed
     assert recap(first)["changed"] > 0 and recap(first)["failed"] == 0
     units = root / "etc/systemd/system"
@@ -141,7 +135,12 @@ def test_playbook_installs_everything(deployed):
     cfg = load_config(root / "etc/pstrain/job.yaml")
     assert cfg.cluster.ps_shards == 2 and cfg.cluster.workers == 1 and cfg.model.factory == "examples.digits:mlp"
     check = subprocess.run(
-        [str(venv / "bin/python"), "-c", "import coordinator, ps_server, worker, torch; print(torch.__version__)"],
+        [
+            str(venv / "bin/python"),
+            "-c",
+            "import pstrain.coordinator, pstrain.ps_server, pstrain.worker, torch; print(torch.__version__)",
+        ],
+        cwd=tmp_path,  # not the checkout, whose bare pstrain/ folder would shadow the installed package
         capture_output=True,
         text=True,
         timeout=120,
@@ -149,6 +148,33 @@ def test_playbook_installs_everything(deployed):
     assert check.returncode == 0 and check.stdout.startswith("2.13.0"), check.stderr
     for tool in ("pstrain", "pstrain-coordinator", "pstrain-ps", "pstrain-worker"):
         assert subprocess.run([str(venv / "bin" / tool), "--help"], capture_output=True, timeout=120).returncode == 0
+
+
+def test_user_code_is_deployed_on_the_units_path(deployed, tmp_path):
+    """The wheel ships pstrain only: the job's factories import from the copied code folder."""
+    root, _, _ = deployed
+    code = root / "opt/pstrain/code"
+    assert (code / "examples/digits.py").read_bytes() == (REPO_ROOT / "examples/digits.py").read_bytes()
+    assert not list(code.rglob("*.pyc"))
+    units = root / "etc/systemd/system"
+    paths = set()
+    for unit in units.iterdir():
+        (line,) = [line for line in unit.read_text().splitlines() if line.startswith("Environment=PYTHONPATH=")]
+        paths.add(line.removeprefix("Environment=PYTHONPATH="))
+    assert paths == {str(code)}
+    venv_python = str(root / "opt/pstrain/venv/bin/python")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    probe = "import examples.digits, sklearn; print(examples.digits.__file__)"
+    bare = subprocess.run(
+        [venv_python, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert bare.returncode != 0 and "No module named 'examples'" in bare.stderr, bare.stderr  # not in the wheel
+    env["PYTHONPATH"] = paths.pop()
+    check = subprocess.run(
+        [venv_python, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip() == str(code / "examples/digits.py")
 
 
 def test_second_run_changes_nothing(deployed):

@@ -7,10 +7,15 @@ from pstrain.protos.codec import (
     CodecError,
     TensorAssembler,
     decode_named_tensors,
-    decode_tensor,
     encode_chunks,
     encode_named_tensors,
 )
+
+
+def decode_tensor(chunks) -> torch.Tensor:
+    """One unnamed tensor through the decoder the services use."""
+    (tensor,) = decode_named_tensors(chunks).values()
+    return tensor
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,12 +1,17 @@
 import math
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pstrain.coordinator.config import JobConfig, load_config, parse_config
+from pstrain.coordinator.config import JobConfig, MemoryConfig, OptimizerConfig, load_config, parse_config
 from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.plan import make_plan
+from pstrain.planner.memory_estimate import EstimateMode
+from pstrain.runtime.optimizers import OPTIMIZERS, optimizer_entry
 
 REPO = Path(__file__).resolve().parent.parent
 MINIMAL = {"model": {"factory": "m:f"}, "data": {"factory": "d:f"}}
@@ -100,3 +105,78 @@ def test_plan_warmup_is_linear():
     plan = make_plan(parse_config(raw))
     assert [round(plan.lr_at(s), 6) for s in range(6)] == [0.05, 0.1, 0.15, 0.2, 0.2, 0.2]
     assert "warmup 4 steps" in plan.describe() and "global 16" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (with_("optimizer", name="lbfgs"), r"^optimizer\.name: 'lbfgs' is not one of sgd, adam, adamw$"),
+        (with_("optimizer", name=3), r"^optimizer\.name: 3 is not one of sgd, adam, adamw$"),
+        (with_("batch", lr_scaling="cubic"), r"^batch\.lr_scaling: 'cubic' is not one of linear, sqrt, none, auto$"),
+        (with_("memory", policy="offload"), r"^memory\.policy: 'offload' is not one of auto, keep, swap$"),
+        (with_("memory", estimate="guess"), r"^memory\.estimate: 'guess' is not one of factor, increment, iterative$"),
+        (with_("memory", policy=True), r"^memory\.policy: True is not one of auto, keep, swap$"),
+    ],
+)
+def test_choice_fields_list_the_allowed_values(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(raw)
+
+
+def test_choice_fields_are_checked_when_built_in_code_too():
+    with pytest.raises(ConfigError, match=r"^optimizer\.name: 'lbfgs' is not one of sgd, adam, adamw$"):
+        OptimizerConfig(name="lbfgs")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^memory\.estimate: 'guess' is not one of"):
+        MemoryConfig(estimate="guess")  # type: ignore[arg-type]
+
+
+def test_choice_values_match_what_the_planner_and_registry_take():
+    hints = typing.get_type_hints(MemoryConfig)
+    assert set(typing.get_args(hints["estimate"])) == {m.value for m in EstimateMode}
+    assert typing.get_args(typing.get_type_hints(OptimizerConfig)["name"]) == OPTIMIZERS
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        ({"name": "adam", "momentum": 0.9}, r"optimizer\.momentum: adam does not use it; remove it \(it takes betas,"),
+        ({"name": "adamw", "nesterov": True}, r"optimizer\.nesterov: adamw does not use it"),
+        ({"name": "sgd", "eps": 1e-6}, r"optimizer\.eps: sgd does not use it; remove it \(it takes momentum,"),
+        (
+            {"name": "adam", "betas": [0.9, 1.5]},
+            r"optimizer\.betas: must be two numbers in \[0, 1\), got \[0\.9, 1\.5\]",
+        ),
+        ({"name": "adam", "eps": 0}, r"optimizer\.eps: must be positive, got 0"),
+        ({"name": "sgd", "momentum": -0.5}, r"optimizer\.momentum: must be non-negative, got -0\.5"),
+    ],
+)
+def test_optimizer_options_follow_the_registry(section, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(with_("optimizer", **section))
+
+
+def test_options_an_optimizer_takes_pass_through():
+    cfg = parse_config(with_("optimizer", name="adamw", betas=[0.8, 0.99], eps=1e-6, weight_decay=0.1))
+    assert cfg.optimizer.options() == {"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1}
+    sgd = parse_config(with_("optimizer", momentum=0.9, nesterov=True, betas=[0.9, 0.999]))  # the default is no change
+    assert sgd.optimizer.options() == {"momentum": 0.9, "dampening": 0.0, "nesterov": True, "weight_decay": 0.0}
+
+
+def test_per_device_still_takes_a_number_or_auto():
+    assert parse_config(with_("batch", per_device="auto")).batch.per_device == "auto"
+    assert parse_config(with_("batch", per_device=12)).batch.per_device == 12
+
+
+@pytest.mark.parametrize("name, scaling", [("sgd", "linear"), ("adam", "sqrt"), ("adamw", "sqrt")])
+def test_auto_lr_scaling_comes_from_the_registry(name, scaling):
+    raw = with_("batch", per_device=8, lr_scaling="auto")
+    raw["optimizer"] = {"name": name}
+    assert (
+        make_plan(parse_config(raw)).lr_scaling == scaling == ("sqrt" if optimizer_entry(name).adaptive else "linear")
+    )
+
+
+def test_the_job_file_schema_does_not_import_the_planner():
+    code = "import sys, pstrain.coordinator.config; print(any(m.startswith('pstrain.planner') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,12 +1,12 @@
 import pytest
 
-from pstrain.coordinator.data_shards import DataShardTracker
+from pstrain.coordinator.data_shards import DataShardCounts, DataShardTracker
 from pstrain.coordinator.errors import UnknownMember
 
 
 def test_each_epoch_covers_the_dataset_once_in_shards():
-    tracker = DataShardTracker(dataset_size=10, shard_size=4, shuffle=True, seed=1)
-    assert tracker.shards_per_epoch == 3
+    tracker = DataShardTracker(dataset_size=10, data_shard_size=4, shuffle=True, seed=1)
+    assert tracker.data_shards_per_epoch == 3
     epochs: dict[int, list[int]] = {}
     for i in range(6):
         data_shard = tracker.dispatch(worker_id=i % 2)
@@ -57,3 +57,18 @@ def test_requeue_gives_a_failed_workers_shards_out_first():
     again = [tracker.dispatch(2), tracker.dispatch(2)]
     assert [s.indices for s in again] == [s.indices for s in lost]
     assert tracker.dispatch(2).data_shard_id == 3
+
+
+def test_a_requeued_data_shard_is_counted_as_todo_and_completed_by_its_new_holder():
+    tracker = DataShardTracker(8, 2, False, 0)
+    lost = tracker.dispatch(1)
+    assert tracker.counts() == DataShardCounts(todo=3, doing=1, done=0)
+    assert tracker.requeue(1) == [lost.data_shard_id]
+    assert tracker.outstanding(1) == [] and tracker.counts() == DataShardCounts(todo=4, doing=0, done=0)
+    with pytest.raises(UnknownMember, match="not held by worker 1"):
+        tracker.complete(1, lost.data_shard_id)  # the failed worker no longer holds it
+    again = tracker.dispatch(0)
+    assert again == lost and tracker.outstanding(0) == [lost.data_shard_id]
+    tracker.complete(0, again.data_shard_id)
+    assert tracker.counts() == DataShardCounts(todo=3, doing=0, done=1)
+    assert tracker.requeue(0) == []

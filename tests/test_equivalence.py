@@ -1,10 +1,12 @@
 """Synchronous PS training equals single-process torch.optim on the global batch.
 
-W=2 workers x D=2 CPU devices x S=3 shards over a 74-parameter model (74 % 3 != 0). The
-dataset holds exactly one global batch, so every step trains on all of it and the data
-order cannot matter.
+W=2 workers x D=2 CPU devices x S=3 shards over a 74-parameter model (74 % 3 != 0). Most
+datasets hold exactly one global batch, so every step trains on all of it and the data order
+cannot matter; ``test_data_spanning_data_shards_and_epochs`` checks the data split end to end.
 """
 
+import itertools
+import json
 import subprocess
 import sys
 import uuid
@@ -18,6 +20,7 @@ from tests.helpers import (
     classification_set,
     odd_mlp,
     pids_with_marker,
+    recorded_reads,
     run_local,
     wait_for,
     write_job,
@@ -187,3 +190,112 @@ def test_the_masters_probe_does_not_disturb_training(tmp_path):
     assert sum("probe at batch 4" in text for text in worker_logs) == 1, "exactly one worker (slot 0) probes"
     expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * DEVICES, momentum=0.9)
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)
+
+
+# ---------------------------------------------------------------- several data shards and epochs
+#
+# Workers ask the coordinator for data shards on demand, so which worker trains which shard, and
+# therefore which samples make up a step when a shard straddles two steps, depends on who asks
+# first. The test records every worker's reads and checks them against the coordinator's
+# contract instead of assuming one order: the shards are each epoch's seeded permutation cut
+# into ``shard_size`` pieces, dispatched in order, each trained exactly once, a worker's step
+# taking its shards' samples in order. The model must then equal plain SGD on the recorded steps.
+
+SPAN_N = 28  # 3.5 global batches of 8
+SPAN_SHARD = 3  # smaller than a worker's step batch of 4 and not dividing it; 10 shards an epoch, the last of 1
+SPAN_PER_DEVICE = 2
+SPAN_STEPS = 9  # 72 samples: two whole epochs and part of a third
+SPAN_SEED = 3
+
+
+def coordinator_data_shards(n: int, size: int, seed: int, epochs: int) -> list[list[int]]:
+    """The data shards in dispatch order: per epoch a permutation seeded by (seed, epoch), cut in order."""
+    shards = []
+    for epoch in range(epochs):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(n, generator=gen).tolist()
+        shards += [order[i : i + size] for i in range(0, n, size)]
+    return shards
+
+
+def assign_data_shards(reads: list[list[int]], shards: list[list[int]]) -> list[list[int]]:
+    """Data shard ids per worker such that the workers' reads are exactly their shards in order.
+
+    Each shard goes to one worker, shards 0..M-1 are all taken (none skipped), and only a
+    worker's last shard may be read partly (the job ended). Searches every assignment, since a
+    short shard's samples can match at two workers; fails when none explains the reads.
+    """
+
+    def place(next_id: int, positions: tuple[int, ...], taken: tuple[tuple[int, ...], ...]):  # type: ignore[no-untyped-def]
+        if all(pos == len(r) for pos, r in zip(positions, reads, strict=True)):
+            return [list(t) for t in taken]
+        if next_id == len(shards):
+            return None
+        shard = shards[next_id]
+        for w, r in enumerate(reads):
+            piece = r[positions[w] : positions[w] + len(shard)]
+            if piece and piece == shard[: len(piece)]:
+                moved = positions[:w] + (positions[w] + len(piece),) + positions[w + 1 :]
+                found = place(next_id + 1, moved, taken[:w] + (taken[w] + (next_id,),) + taken[w + 1 :])
+                if found is not None:
+                    return found
+        return None
+
+    found = place(0, (0,) * len(reads), ((),) * len(reads))
+    assert found is not None, f"the workers' reads are not the coordinator's data shards in order: {reads}"
+    return found
+
+
+def test_data_spanning_data_shards_and_epochs(tmp_path):
+    record_dir = tmp_path / "reads"
+    record_dir.mkdir()
+    job = write_job(
+        tmp_path / "job.yaml",
+        data={
+            "factory": "tests.helpers:recording_set",
+            "kwargs": {"n": SPAN_N, "record_dir": str(record_dir)},
+            "shard_size": SPAN_SHARD,
+            "shuffle": True,
+        },
+        optimizer=SGD_MOMENTUM,
+        batch={"per_device": SPAN_PER_DEVICE, "lr_scaling": "linear"},
+        job={"steps": SPAN_STEPS, "seed": SPAN_SEED},
+        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": DEVICES},
+    )
+    result = run_local(job, tmp_path / "out", uuid.uuid4().hex)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    step_batch = SPAN_PER_DEVICE * DEVICES
+    reads = recorded_reads(record_dir)
+    assert len(reads) == WORKERS, "only the workers read samples, each its own"
+    assert [len(r) for r in reads] == [SPAN_STEPS * step_batch] * WORKERS
+
+    shards = coordinator_data_shards(SPAN_N, SPAN_SHARD, SPAN_SEED, epochs=4)
+    per_epoch = -(-SPAN_N // SPAN_SHARD)
+    taken = assign_data_shards(reads, shards)
+    read_in_full = {
+        shard_id
+        for worker, ids in zip(reads, taken, strict=True)
+        for shard_id, end in zip(ids, itertools.accumulate(len(shards[i]) for i in ids), strict=True)
+        if end <= len(worker)
+    }
+    assert set(range(2 * per_epoch)) <= read_in_full, "every sample of the first two epochs trained exactly once"
+    assert all(len(ids) >= 2 for ids in taken), "every worker trained more than one data shard"
+
+    torch.manual_seed(SPAN_SEED)
+    model = odd_mlp()
+    x, y = classification_set(SPAN_N).tensors
+    opt = torch.optim.SGD(model.parameters(), lr=0.05 * WORKERS * DEVICES, momentum=0.9)
+    losses = []
+    for step in range(SPAN_STEPS):
+        batch = [i for r in reads for i in r[step * step_batch : (step + 1) * step_batch]]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), model.state_dict())
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(SPAN_STEPS))
+    assert [r["global_batch"] for r in records] == [WORKERS * DEVICES * SPAN_PER_DEVICE] * SPAN_STEPS
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)

@@ -2,6 +2,7 @@
 
 import json
 
+import grpc
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
 from pstrain.coordinator.job import Job, JobState
+from pstrain.coordinator.ledger import StepReport
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import job_spec, make_plan
 from pstrain.protos import pstrain_pb2 as pb
@@ -31,7 +33,7 @@ class Clock:
         return self.now
 
 
-def make_job(tmp_path, raw=RAW, exported=None):
+def make_job(tmp_path, raw=RAW, exported=None, probe_for=None):
     cfg = parse_config(raw)
     plan = make_plan(cfg)
     model = ModelState(cfg)
@@ -44,7 +46,9 @@ def make_job(tmp_path, raw=RAW, exported=None):
         return final
 
     clock = Clock()
-    job = Job("test-job", plan, spec, model, DataShardTracker(16, 8, True, 0), tmp_path, exporter, 30.0, clock)
+    probe = probe_for(model) if probe_for is not None else None
+    tracker = DataShardTracker(16, 8, True, 0)
+    job = Job("test-job", plan, spec, model, tracker, tmp_path, exporter, 30.0, clock, probe=probe)
     return job, clock, calls, final
 
 
@@ -56,20 +60,20 @@ def start(job):
 
 
 def report(worker, step, loss=1.0):
-    return pb.StepReport(worker_id=worker, step=step, loss=loss, samples=8, step_s=0.1)
+    return StepReport(worker_id=worker, step=step, loss=loss, samples=8, step_s=0.1)
 
 
 def test_membership_and_start(tmp_path):
     job, _, _, _ = make_job(tmp_path)
     assert job.state == JobState.WAITING
-    assert [(r.start, r.end) for r in job.ranges] == [(0, 25), (25, 50), (50, 74)]
+    assert [(r.start, r.end) for r in job.shard_ranges] == [(0, 25), (25, 50), (50, 74)]
     with pytest.raises(InvalidRequest, match="shards 0..2"):
         job.register_ps(3, "x:1")
     with pytest.raises(UnknownMember):
         job.initial_parameters(0)
     assert start(job) == [0, 1]
     assert job.state == JobState.RUNNING
-    assert job.wait_for_cluster(1)[0] == ["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"]
+    assert job.wait_for_cluster(1).ps_addresses == ["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"]
     assert torch.equal(job.initial_parameters(1), job.model.initial[25:50])
     with pytest.raises(NoFreeSlot, match="all 2 worker slots"):
         job.register_worker("x:1", [], "h")
@@ -169,8 +173,8 @@ def test_watch_streams_records_then_the_final_state(tmp_path):
         job.report_step(report(0, step))
         job.report_step(report(1, step))
     events = list(job.watch(1, lambda: True))
-    assert [e[0].step for e in events[:-1]] == [1, 2]
-    assert events[-1][0] is None and events[-1][1] == JobState.FINISHED
+    assert [e.record.step for e in events[:-1]] == [1, 2]
+    assert events[-1].record is None and events[-1].state == JobState.FINISHED
 
 
 def test_status_counts(tmp_path):
@@ -178,39 +182,38 @@ def test_status_counts(tmp_path):
     start(job)
     job.request_data_shard(0)
     status = job.status()
-    assert status.state == pb.RUNNING and status.global_batch == 16 and status.data_shards_doing == 1
+    assert status.state == pb.RUNNING and status.global_batch == 16 and status.data_shards.doing == 1
     assert len(status.members) == 5 and all(m.alive for m in status.members)
 
 
 # ------------------------------------------------------------------ the master's probe (S2.1-S2.3)
 
-from pstrain.coordinator.job import ProbeSetup  # noqa: E402
-from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy  # noqa: E402
 from pstrain.coordinator.plan import make_plan as plan_with_batch  # noqa: E402
+from pstrain.coordinator.probe import ProbeReport, ProbeSetup  # noqa: E402
+from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy, Probe  # noqa: E402
 
 MiB = 1 << 20
 
 
 def probing_job(tmp_path, mode=EstimateMode.FACTOR, device_bytes=100 * MiB, max_rounds=4):
-    job, clock, calls, final = make_job(tmp_path)
     cfg = parse_config(RAW)
     replans = []
-
-    def replan(batch):
-        replans.append(batch)
-        plan = plan_with_batch(cfg, batch)
-        return plan, job_spec(cfg, plan, job.model.layout, "test-job", {"0": "swap"})
-
     policy = EstimatePolicy(mode, factor=1.5, increment_bytes=10 * MiB, target_utilization=0.8)
-    job._probe = ProbeSetup(device_bytes, 0.1, policy, replan, max_rounds)
-    job._probe_done = False
+
+    def probe_for(model):
+        def replan(batch):
+            replans.append(batch)
+            plan = plan_with_batch(cfg, batch)
+            return plan, job_spec(cfg, plan, model.layout, "test-job", {"0": "swap"})
+
+        return ProbeSetup(device_bytes, 0.1, policy, replan, max_rounds)
+
+    job, _, _, _ = make_job(tmp_path, probe_for=probe_for)
     return job, replans
 
 
 def probe(batch, device, host=500 * MiB, limit=0):
-    return pb.ProbeReport(
-        worker_id=0, per_device_batch=batch, device_peak_bytes=device, host_peak_bytes=host, limit_bytes=limit
-    )
+    return ProbeReport(0, Probe(batch, device_peak_bytes=device, host_peak_bytes=host, limit_bytes=limit))
 
 
 def test_probe_gates_the_other_workers_and_shrinks_until_it_fits(tmp_path):
@@ -220,21 +223,21 @@ def test_probe_gates_the_other_workers_and_shrinks_until_it_fits(tmp_path):
         job.ps_ready(i)
     assert job.register_worker("a:1", [], "h") == 0
     assert job.state == JobState.PROBING
-    addresses, spec, must_probe = job.wait_for_cluster(1, worker_id=0)
-    assert must_probe and spec.per_device_batch == 4
+    view = job.wait_for_cluster(1, worker_id=0)
+    assert view.probe and view.spec.per_device_batch == 4
     job.register_worker("b:1", [], "h")
     with pytest.raises(WrongState, match="the probe is not done"):
         job.wait_for_cluster(0.05, worker_id=1)
     with pytest.raises(WrongState, match="no probe expected from worker 1"):
-        job.report_probe(pb.ProbeReport(worker_id=1))
+        job.report_probe(ProbeReport(1, Probe(4, 0, 0)))
     outcome = job.report_probe(probe(4, device=200 * MiB))  # twice the budget: shrink
     assert not outcome.done and replans == [1] and outcome.spec.per_device_batch == 1
     assert outcome.spec.layer_policies == {"0": "swap"} and outcome.spec.global_batch == 4
     outcome = job.report_probe(probe(1, device=60 * MiB))
     assert outcome.done and job.state == JobState.RUNNING
     assert job.worker_device_bytes == 90 * MiB and job.worker_host_bytes == 750 * MiB  # factor 1.5
-    _, spec, must_probe = job.wait_for_cluster(1, worker_id=1)
-    assert not must_probe and spec.per_device_batch == 1
+    view = job.wait_for_cluster(1, worker_id=1)
+    assert not view.probe and view.spec.per_device_batch == 1
     assert job.status().worker_device_memory_bytes == 90 * MiB
 
 
@@ -263,3 +266,190 @@ def test_a_probe_that_never_fits_fails_the_job(tmp_path):
     with pytest.raises(WrongState, match="after 2 probes"):
         job.report_probe(probe(1, device=200 * MiB))
     assert job.state == JobState.FAILED
+
+
+def test_job_states_are_the_wire_enum():
+    assert {s.name: int(s) for s in JobState} == {s.name: pb.JobState.Value(s.name) for s in JobState}
+    assert {s for s in JobState if s.over} == {JobState.FINISHED, JobState.FAILED}
+
+
+# ------------------------------------------------------------------ the parts, each on its own
+
+import queue  # noqa: E402
+import threading  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+
+from pstrain.coordinator.errors import ProbeFailed  # noqa: E402
+from pstrain.coordinator.export import ModelExport  # noqa: E402
+from pstrain.coordinator.ledger import StepLedger, StepRecord  # noqa: E402
+from pstrain.coordinator.membership import Membership  # noqa: E402
+from pstrain.coordinator.probe import ProbeSession  # noqa: E402
+
+
+def membership(clock):
+    return Membership("j", ps_shards=2, workers=2, devices_per_worker=1, heartbeat_timeout_s=30.0, clock=clock)
+
+
+def test_membership_refuses_a_second_live_registration_until_the_holder_is_silent():
+    clock = Clock()
+    members = membership(clock)
+    members.register_ps(0, "a:1")
+    members.register_ps(0, "a:1")  # a retried call from the same process
+    clock.now += 30
+    with pytest.raises(AlreadyRegistered, match="shard 0 is already served by a:1"):
+        members.register_ps(0, "b:1")
+    clock.now += 1  # a:1 is silent past the timeout: a restarted shard may take its id
+    assert members.register_ps(0, "b:1").address == "b:1"
+    members.ps_ready(0)
+    assert not members.all_ps_ready() and members.missing_ps() == [1]
+    with pytest.raises(UnknownMember, match="shard 1 never registered"):
+        members.ps_ready(1)
+
+
+def test_membership_liveness_names_the_first_silent_member_with_work_left():
+    clock = Clock()
+    members = membership(clock)
+    members.register_ps(0, "a:1")
+    assert [members.register_worker(f"w:{i}", ["cpu"], "h").id for i in range(2)] == [0, 1]
+    with pytest.raises(NoFreeSlot):
+        members.register_worker("w:2", [], "h")
+    clock.now += 20
+    members.heard_from("ps", 0)
+    members.heard_from("worker", 0).done = True
+    assert members.silent() is None and members.alive_count("worker") == 2
+    clock.now += 20
+    assert members.silent() == "worker 1 at w:1 silent for 40s"  # worker 0 is done: its silence is fine
+    assert members.alive_count("ps") == 1 and members.alive_count("worker") == 1
+    views = {(v.role, v.id): v for v in members.views()}
+    assert views["ps", 0].alive and views["ps", 0].last_seen_s_ago == 20 and not views["worker", 1].alive
+    with pytest.raises(UnknownMember, match="worker 2 is not registered in job j"):
+        members.worker(2)
+    with pytest.raises(UnknownMember, match="ps 1 is not registered"):
+        members.heard_from("ps", 1)
+
+
+def test_ledger_writes_metrics_lines_and_watch_streams_them_as_they_complete(tmp_path):
+    clock, cond, phase = Clock(), threading.Condition(threading.RLock()), [JobState.RUNNING, "training"]
+    ledger = StepLedger(2, lambda step: 0.1 * (step + 1), tmp_path / "metrics.jsonl", clock, cond)
+    ledger.start()
+    got: queue.Queue = queue.Queue()
+
+    def watch():
+        for progress in ledger.watch(0, lambda: True, lambda: tuple(phase)):
+            got.put(progress)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with cond:
+        assert ledger.add(StepReport(0, 0, loss=1.0, samples=4, step_s=0.1)) is None
+        with pytest.raises(WrongState, match="reported step 1 before step 0 completed"):
+            ledger.add(StepReport(0, 1, loss=1.0, samples=4, step_s=0.1))
+        clock.now += 2
+        first = ledger.add(StepReport(1, 0, loss=4.0, samples=12, step_s=0.1))
+    assert first == StepRecord(step=0, loss=3.25, lr=0.1, global_batch=16, samples_per_s=8.0, step_s=2.0)
+    seen = got.get(timeout=10)
+    assert seen.record == first and seen.completed == 1 and seen.state == JobState.RUNNING
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [asdict(first)]  # on disk as soon as the step completes
+    with cond:
+        assert ledger.add(StepReport(1, 0, loss=9.0, samples=1, step_s=0.1)) is None  # a late retry: ignored
+        ledger.add(StepReport(0, 1, loss=1.0, samples=8, step_s=0.1))
+        clock.now += 4
+        second = ledger.add(StepReport(1, 1, loss=1.0, samples=8, step_s=0.1))
+        phase[:] = [JobState.FINISHED, "finished"]
+        cond.notify_all()
+    rest = [got.get(timeout=10), got.get(timeout=10)]
+    watcher.join(10)
+    assert not watcher.is_alive() and got.empty()
+    assert rest[0].record == second and second.samples_per_s == 4.0 and second.lr == pytest.approx(0.2)
+    assert rest[1].record is None and rest[1].completed == 2 and rest[1].state == JobState.FINISHED
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert list(ledger.watch(0, lambda: False, lambda: tuple(phase))) == []  # the watcher left
+    ledger.close()
+
+
+def test_export_without_an_upload_keeps_the_initial_buffers_and_raises_a_failed_pull(tmp_path):
+    cfg = parse_config({**RAW, "model": {"factory": "tests.helpers:bn_mlp"}})
+    model = ModelState(cfg)
+    initial_mean = model.model.get_buffer("1.running_mean").clone()
+    final = torch.arange(model.layout.total, dtype=torch.float32)
+    pulls = []
+
+    def pull(addresses, version):
+        pulls.append((addresses, version))
+        return final
+
+    ModelExport(model, tmp_path, pull, 0.0, threading.Condition()).run(["a:1"], 7)
+    assert pulls == [(["a:1"], 7)]
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert torch.equal(state["1.running_mean"], initial_mean)
+
+    def broken(addresses, version):
+        raise ConnectionError("shard 1 is gone")
+
+    with pytest.raises(ConnectionError, match="shard 1 is gone"):
+        ModelExport(model, tmp_path / "other", broken, 0.0, threading.Condition()).run(["a:1"], 7)
+    assert not (tmp_path / "other" / "model.pt").exists()
+
+
+def test_probe_session_without_a_budget_accepts_any_peak_and_judges_once():
+    def replan(batch):
+        raise AssertionError("no budget, no re-plan")
+
+    session = ProbeSession(ProbeSetup(None, 0.1, EstimatePolicy(EstimateMode.FACTOR, factor=2.0), replan))
+    judgement = session.judge(Probe(64, device_peak_bytes=10 * MiB, host_peak_bytes=3 * MiB))
+    assert judgement.done and judgement.replanned is None and judgement.limit_bytes == 0
+    assert session.worker_device_bytes == 20 * MiB and session.worker_host_bytes == 6 * MiB
+    with pytest.raises(ProbeFailed, match="already accepted"):
+        session.judge(Probe(64, 1, 1))
+
+
+# ------------------------------------------------------------------ the servicer converts, over real gRPC
+
+from pstrain.coordinator.service import CoordinatorServicer  # noqa: E402
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
+from pstrain.runtime.transport import open_channel, start_server  # noqa: E402
+
+
+def test_servicer_translates_messages_and_errors(tmp_path):
+    job, _, _, _ = make_job(tmp_path)
+    server = start_server(
+        "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
+    )
+    channel = open_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.CoordinatorStub(channel)
+    try:
+        for i in range(3):
+            reply = stub.RegisterParameterServer(pb.RegisterPsRequest(shard_id=i, address=f"127.0.0.1:{5000 + i}"))
+            assert (reply.start, reply.end) == (job.shard_ranges[i].start, job.shard_ranges[i].end)
+            stub.ParameterServerReady(pb.PsReadyRequest(shard_id=i))
+        for _ in range(2):
+            stub.RegisterWorker(pb.RegisterWorkerRequest(address="127.0.0.1:0", hostname="h"))
+        view = stub.WaitForCluster(pb.WaitForClusterRequest(worker_id=1), timeout=10)
+        assert view.state == pb.RUNNING and list(view.ps_addresses)[0] == "127.0.0.1:5000" and not view.probe
+        data_shard = stub.RequestDataShard(pb.DataShardRequest(worker_id=1))
+        stub.CompleteDataShard(pb.CompleteDataShardRequest(worker_id=1, data_shard_id=data_shard.data_shard_id))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportStep(pb.StepReport(worker_id=7, step=0, loss=1.0, samples=8, step_s=0.1))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        for step in range(3):
+            for worker in range(2):
+                directive = stub.ReportStep(pb.StepReport(worker_id=worker, step=step, loss=2.0, samples=8, step_s=0.1))
+        assert directive.state in (pb.EXPORTING, pb.FINISHED) and not directive.stop
+        events = list(stub.WatchProgress(pb.WatchProgressRequest(from_step=0), timeout=10))
+        assert [e.step for e in events] == [0, 1, 2, 3] and events[1].loss == 2.0 and events[1].global_batch == 16
+        assert events[-1].state == pb.FINISHED and events[-1].message == "finished"
+        status = stub.GetJobStatus(pb.JobStatusRequest())
+        assert status.state == pb.FINISHED and status.step == 3 and status.data_shards_done == 1
+        assert sorted((m.role, m.id) for m in status.members) == [
+            ("ps", 0),
+            ("ps", 1),
+            ("ps", 2),
+            ("worker", 0),
+            ("worker", 1),
+        ]
+        assert stub.Heartbeat(pb.HeartbeatRequest(role="worker", id=0)).stop
+    finally:
+        channel.close()
+        server.stop(0)
+        job.close()

@@ -9,12 +9,13 @@ from torch import nn
 
 from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.errors import ConfigError
-from pstrain.planner.memory_plan import MemoryBudget, Policy, max_batch, parse_bytes, plan_for_batch, s15_max_batch
 from pstrain.coordinator.plan import make_plan
 from pstrain.coordinator.planning import describe, plan_job
+from pstrain.planner.memory_plan import MemoryBudget, Policy, max_batch, plan_for_batch, s15_max_batch
 from pstrain.planner.profiler import LayerProfile, ModelProfile, profile_model
-from tests.helpers import classification_set
+from pstrain.runtime.units import parse_bytes
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
+from tests.helpers import classification_set
 
 CE = nn.functional.cross_entropy
 

@@ -8,11 +8,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import encode_chunks
+from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.shard_map import shard_ranges
 from pstrain.runtime.transport import open_channel, start_server
-from pstrain.ps_server.service import ParameterServerServicer
-from pstrain.ps_server.shard import ParameterShard
 
 TOTAL = 11
 SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)

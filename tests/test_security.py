@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import encode_chunks
-from pstrain.runtime.security import SecurityError, TransportSecurity
-from pstrain.runtime.transport import open_channel, start_server
 from pstrain.ps_server.service import ParameterServerServicer
 from pstrain.ps_server.shard import ParameterShard
+from pstrain.runtime.security import SecurityError, TransportSecurity
+from pstrain.runtime.transport import open_channel, start_server
 from tests.helpers import REPO_ROOT, child_env, pids_with_marker, run_local, wait_for, write_job
 from tests.pki import make_pki
 

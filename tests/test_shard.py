@@ -18,6 +18,46 @@ def make(optimizer=SGD, workers=2, numel=5, schedule=LR):
     return ParameterShard(1, 10, 10 + numel, torch.arange(numel, dtype=torch.float32), optimizer, schedule, workers)
 
 
+class WatchedCondition(threading.Condition):
+    """A shard's condition that reports which threads are blocked in ``wait``.
+
+    A test proves a call blocks by seeing its thread inside the shard's wait, not by a join
+    timeout that a slow scheduler satisfies just as well.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._blocked: set[int | None] = set()
+        self._seen = threading.Condition()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        me = threading.get_ident()
+        with self._seen:
+            self._blocked.add(me)
+            self._seen.notify_all()
+        try:
+            return super().wait(timeout)
+        finally:
+            with self._seen:
+                self._blocked.discard(me)
+
+    def wait_until_blocked(self, thread: threading.Thread, timeout_s: float = 30) -> None:
+        with self._seen:
+            if not self._seen.wait_for(lambda: thread.ident in self._blocked, timeout_s):
+                raise AssertionError(f"{thread.name} never blocked in the shard within {timeout_s:.0f}s")
+
+    def is_blocked(self, thread: threading.Thread) -> bool:
+        with self._seen:
+            return thread.ident in self._blocked
+
+
+def watch(shard: ParameterShard) -> WatchedCondition:
+    """Swap in a WatchedCondition before the shard is shared with any thread."""
+    cond = WatchedCondition()
+    shard._cond = cond
+    return cond
+
+
 def state(shard):
     version, params = shard.parameters()
     opt_state = [v.clone() for s in shard._optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -126,49 +166,59 @@ def test_pull_waits_for_the_version_and_times_out_otherwise():
     shard = make()
     with pytest.raises(WaitTimeout, match="version 1 did not appear"), shard.read(1, timeout_s=0.05):
         pass
+    cond = watch(shard)
     got = []
 
     def reader():
-        with shard.read(1, timeout_s=10) as (version, params):
+        with shard.read(1, timeout_s=30) as (version, params):
             got.append((version, params.clone()))
 
-    thread = threading.Thread(target=reader)
+    thread = threading.Thread(target=reader, name="reader")
     thread.start()
+    cond.wait_until_blocked(thread)  # asked for version 1 while the shard is at 0: it must wait
     shard.push(0, 0, torch.ones(5), 1)
-    assert not got
+    assert shard.snapshot().pushes_waiting == 1 and shard.version == 0
+    assert cond.is_blocked(thread) and not got  # half a step publishes nothing
     shard.push(1, 0, torch.ones(5), 1)
-    thread.join(10)
+    thread.join(30)
+    assert not thread.is_alive()
     assert got and got[0][0] == 1 and torch.equal(got[0][1], shard.parameters()[1])
 
 
 def test_update_waits_for_readers_of_the_previous_version():
     shard = make(workers=1)
+    cond = watch(shard)
+    results = []
+    pusher = threading.Thread(target=lambda: results.append(shard.push(0, 0, torch.ones(5), 1)), name="pusher")
     with shard.read(0, 1) as (version, params):
         seen = params.clone()
-        pusher = threading.Thread(target=shard.push, args=(0, 0, torch.ones(5), 1))
         pusher.start()
-        pusher.join(0.2)
+        cond.wait_until_blocked(pusher)  # the last push of the step waits for this reader
         assert pusher.is_alive(), "the update must not run under a reader"
+        assert shard.version == 0 and shard.snapshot().pushes_waiting == 1 and not results
         assert torch.equal(params, seen) and version == 0
-    pusher.join(10)
-    assert shard.version == 1
+    pusher.join(30)
+    assert not pusher.is_alive() and results[0].completed
+    assert shard.version == 1 and not torch.equal(shard.parameters()[1], seen)
 
 
 def test_close_wakes_waiting_pulls():
     shard = make()
+    cond = watch(shard)
     errors = []
 
     def reader():
         try:
-            with shard.read(5, timeout_s=30):
+            with shard.read(5, timeout_s=300):
                 pass
         except NotReady as exc:
             errors.append(exc)
 
-    thread = threading.Thread(target=reader)
+    thread = threading.Thread(target=reader, name="reader")
     thread.start()
+    cond.wait_until_blocked(thread)  # close must wake a pull that is already waiting
     shard.close()
-    thread.join(10)
+    thread.join(30)
     assert errors and not thread.is_alive()
 
 

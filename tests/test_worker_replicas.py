@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.runtime.factories import ParamLayout
-from tests.helpers import bn_mlp, classification_set, odd_mlp
+from pstrain.runtime.layout import ParamLayout
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.devices import DeviceError, resolve_devices
 from pstrain.worker.replicas import ReplicaSet
+from tests.helpers import bn_mlp, classification_set, odd_mlp
 
 
 def seeded(factory):

@@ -1,9 +1,9 @@
-"""The worker's side of the Coordinator contract: data shards, step reports, heartbeats."""
+"""The worker's side of the Coordinator contract: data shards, step reports, buffers.
+
+Heartbeats are the member skeleton's (``pstrain.runtime.member``), shared with the PS.
+"""
 
 from __future__ import annotations
-
-import logging
-import threading
 
 import grpc
 
@@ -11,8 +11,6 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import encode_named_tensors
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
-
-log = logging.getLogger(__name__)
 
 
 class CoordinatorLink:
@@ -50,22 +48,3 @@ class CoordinatorLink:
 
     def upload_buffers(self, buffers: dict, chunk_bytes: int) -> None:  # type: ignore[type-arg]
         self._stub.UploadBuffers(encode_named_tensors(buffers, chunk_bytes), timeout=300)
-
-    def heartbeat_until(
-        self, stop: threading.Event, interval_s: float, aborted: threading.Event, wake: threading.Event
-    ) -> None:
-        """Heartbeat every ``interval_s`` until ``stop``; if the coordinator fails the job, set ``aborted``
-        and ``wake`` (the training loop's stop flag)."""
-        while not stop.wait(interval_s):
-            try:
-                directive = self._stub.Heartbeat(
-                    pb.HeartbeatRequest(role="worker", id=self.worker_id), timeout=CONTROL_TIMEOUT_S
-                )
-            except grpc.RpcError as exc:
-                log.warning("heartbeat to coordinator failed: %s", exc.details())
-                continue
-            if directive.stop and directive.state == pb.FAILED:
-                log.error("coordinator aborted the job: %s", directive.reason)
-                aborted.set()
-                wake.set()
-                return

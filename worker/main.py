@@ -2,7 +2,9 @@
 
 Start order: serve status (NOT_SERVING) -> register with the coordinator -> wait until every
 PS shard serves -> build one replica per device -> pull version 0 -> SERVING -> train to the
-job's last step -> (worker 0) upload the model buffers -> exit 0.
+job's last step -> (worker 0) upload the model buffers -> exit 0. SIGTERM, even during a
+blocked pull, cancels the in-flight PS calls and exits 0; a job the coordinator aborts exits 1.
+The skeleton (serve, ready, heartbeat, drain) is ``MemberProcess``; this module is the join.
 """
 
 from __future__ import annotations
@@ -12,24 +14,16 @@ import logging
 import socket
 import threading
 
-import grpc
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.runtime.factories import FactoryError, LossFn, ParamLayout, build_dataset, build_model, resolve_loss
-from pstrain.runtime.lifecycle import (
-    add_common_flags,
-    sd_notify,
-    start_member,
-    stop_on_signals,
-    wait_until_reachable,
-    write_port_file,
-)
+from pstrain.runtime.factories import FactoryError, LossFn, build_dataset, build_model, resolve_loss
+from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
+from pstrain.runtime.member import MemberProcess, add_member_flags
+from pstrain.runtime.ps_api import PsClientError
 from pstrain.runtime.ps_client import PsClient
-from pstrain.runtime.security import SecurityError
-from pstrain.runtime.transport import open_channel
 from pstrain.worker.coordinator_link import CoordinatorLink
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.devices import DeviceError, resolve_devices
@@ -43,12 +37,9 @@ log = logging.getLogger(__name__)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pstrain-worker", description="Run the pstrain worker of this host.")
-    p.add_argument("--coordinator", required=True, help="coordinator address, host:port")
     p.add_argument("--devices", default="", help="comma-separated devices (cuda:0,cuda:1); default from the job")
-    p.add_argument("--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)")
-    p.add_argument("--connect-timeout-s", type=float, default=120.0)
     p.add_argument("--cluster-timeout-s", type=float, default=600.0, help="how long to wait for every PS shard")
-    add_common_flags(p, default_bind="0.0.0.0:0")
+    add_member_flags(p)
     return p.parse_args(argv)
 
 
@@ -126,86 +117,62 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
     return None if trainer.progress.state == "finished" else 0
 
 
+def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namespace) -> int:
+    """Join as a worker, train to the job's last step (or until stopped); the exit code."""
+    link = CoordinatorLink(member.channel)
+    requested = [d for d in args.devices.split(",") if d]
+    reply = link.register(member.served.address, requested, socket.gethostname(), member.served.metrics_address)
+    job = reply.job
+    devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
+    servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
+    log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
+    member.start_heartbeat(reply.worker_id, job.heartbeat_s, stop_when_job_ends=False)
+    cluster = link.wait_for_cluster(args.cluster_timeout_s)
+    job = cluster.job  # final: the probe may have changed the batch and the memory plan
+    layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))
+    if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
+        raise FactoryError("this host's model factory builds a different model than the coordinator's")
+    feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
+    loss_fn = resolve_loss(job.loss)
+    if cluster.probe:
+        job, replicas = probe_until_accepted(link, job, devices, layout, feed, loss_fn)
+    else:
+        replicas = build_replicas(job, devices, layout)
+    member.closing(replicas.close)
+    ps = PsClient(
+        list(cluster.ps_addresses),
+        job.total_params,
+        job.chunk_bytes,
+        job.push_timeout_s,
+        job.pull_timeout_s,
+        security=member.served.security,
+    )
+    member.closing(ps.close)
+    trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, member.stop)
+    servicer.progress = trainer.progress
+    member.ready()
+    outcome = run_interruptibly(trainer, member.stop)
+    if member.aborted.is_set():
+        return 1
+    if outcome is not None:
+        return outcome
+    buffers = replicas.buffers()
+    if reply.worker_id == 0 and buffers:
+        link.upload_buffers(buffers, job.chunk_bytes)
+    log.info("worker %d finished at step %d", reply.worker_id, trainer.progress.step)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     servicer = WorkerServicer(devices=[])
-    try:
-        member = start_member(args, [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"])
-    except SecurityError as exc:
-        log.error("%s", exc)
-        return 2
-    server, address, metrics_address, security = member.server, member.address, member.metrics_address, member.security
-    stop = threading.Event()
-    stop_on_signals(stop)
-    channel = open_channel(args.coordinator, security)
-    heartbeat_stop = threading.Event()
-    aborted = threading.Event()
-    replicas: ReplicaSet | None = None
-    ps: PsClient | None = None
-    try:
-        wait_until_reachable(channel, args.coordinator, args.connect_timeout_s)
-        link = CoordinatorLink(channel)
-        requested = [d for d in args.devices.split(",") if d]
-        reply = link.register(address, requested, socket.gethostname(), metrics_address)
-        job = reply.job
-        devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
-        servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
-        log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
-        threading.Thread(
-            target=link.heartbeat_until,
-            args=(heartbeat_stop, job.heartbeat_s, aborted, stop),
-            daemon=True,
-            name="heartbeat",
-        ).start()
-        cluster = link.wait_for_cluster(args.cluster_timeout_s)
-        job = cluster.job  # final: the probe may have changed the batch and the memory plan
-        layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))
-        if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
-            raise FactoryError("this host's model factory builds a different model than the coordinator's")
-        feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
-        loss_fn = resolve_loss(job.loss)
-        if cluster.probe:
-            job, replicas = probe_until_accepted(link, job, devices, layout, feed, loss_fn)
-        else:
-            replicas = build_replicas(job, devices, layout)
-        ps = PsClient(
-            list(cluster.ps_addresses),
-            job.total_params,
-            job.chunk_bytes,
-            job.push_timeout_s,
-            job.pull_timeout_s,
-            security=security,
-        )
-        trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, stop)
-        servicer.progress = trainer.progress
-        server.set_serving(True)
-        if args.port_file:
-            write_port_file(args.port_file, server.port)
-        sd_notify("READY=1")
-        outcome = run_interruptibly(trainer, stop)
-        if aborted.is_set():
-            return 1
-        if outcome is not None:
-            return outcome
-        buffers = replicas.buffers()
-        if reply.worker_id == 0 and buffers:
-            link.upload_buffers(buffers, job.chunk_bytes)
-        log.info("worker %d finished at step %d", reply.worker_id, trainer.progress.step)
-        return 0
-    except grpc.RpcError as exc:
-        log.error("RPC failed: %s: %s", exc.code().name, exc.details())
-        return 1
-    except (ConnectionError, DeviceError, FactoryError) as exc:
-        log.error("%s", exc)
-        return 1
-    finally:
-        sd_notify("STOPPING=1")
-        heartbeat_stop.set()
-        server.stop(args.grace_s)
-        if ps is not None:
-            ps.close()
-        if replicas is not None:
-            replicas.close()
-        channel.close()
+    member = MemberProcess(
+        args,
+        "worker",
+        [(pb_grpc.add_WorkerServicer_to_server, servicer)],
+        ["Worker"],
+        (DeviceError, FactoryError, PsClientError),
+    )
+    return member.run(lambda member: train(member, servicer, args))
 
 
 def main(argv: list[str] | None = None) -> int:

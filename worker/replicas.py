@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pstrain.runtime.factories import LossFn, ParamLayout
+from pstrain.runtime.factories import LossFn
+from pstrain.runtime.layout import ParamLayout
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 
 
@@ -31,6 +32,7 @@ class MemoryPolicy:
 class Replica:
     device: torch.device
     model: torch.nn.Module
+    layout: ParamLayout  # the model's parameters and grads are views into the two flat buffers
     flat_params: torch.Tensor
     flat_grads: torch.Tensor
     staging: torch.Tensor  # host buffer the gradients land in (the flat grads themselves on CPU)
@@ -43,23 +45,14 @@ class Replica:
         model = model.to(device)
         flat_params = torch.empty(layout.total, dtype=torch.float32, device=device)
         flat_grads = torch.zeros(layout.total, dtype=torch.float32, device=device)
-        params = list(model.parameters())
-        if len(params) != len(layout.names):
-            raise ValueError(f"model has {len(params)} parameters, the job's layout {len(layout.names)}")
-        for param, offset, shape in zip(params, layout.offsets, layout.shapes, strict=True):
-            if tuple(param.shape) != shape:
-                raise ValueError(f"parameter shape {tuple(param.shape)} does not match the job's {shape}")
-            n = param.numel()
-            flat_params[offset : offset + n].copy_(param.detach().reshape(-1))
-            param.data = flat_params[offset : offset + n].view(shape)
-            param.grad = flat_grads[offset : offset + n].view(shape)
+        layout.bind(model, flat_params, flat_grads)
         pinned = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin) if device.type != "cpu" else None
         staging = flat_grads if pinned is None else pinned
         offload = None
         if memory is not None and memory.layer_policies:
             offload = SwapToHost(memory.prefetch, memory.pinned_limit_bytes).ignore_parameters(model)
             apply_layer_policies(model, memory.layer_policies, offload)
-        return cls(device, model, flat_params, flat_grads, staging, offload)
+        return cls(device, model, layout, flat_params, flat_grads, staging, offload)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """One forward/backward on this device's slice; the gradient lands in ``flat_grads``."""
@@ -70,22 +63,10 @@ class Replica:
         targets = targets.to(self.device, non_blocking=True)
         loss = loss_fn(self.model(inputs), targets)
         loss.backward()
-        self._rebind_moved_grads()
+        self.layout.rebind_grads(self.model, self.flat_grads)
         if self.staging is not self.flat_grads:
             self.staging.copy_(self.flat_grads, non_blocking=True)
         return loss.detach()
-
-    def _rebind_moved_grads(self) -> None:
-        """Autograd accumulates into the ``.grad`` views in place; if a hook replaced one, copy it back."""
-        offset = 0
-        for param in self.model.parameters():
-            n = param.numel()
-            view = self.flat_grads[offset : offset + n]
-            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                if param.grad is not None:
-                    view.copy_(param.grad.reshape(-1))
-                param.grad = view.view(param.shape)
-            offset += n
 
 
 class ReplicaSet:

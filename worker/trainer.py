@@ -1,21 +1,36 @@
-"""The worker's training loop: pull, compute on every device, sum on the host, push, report."""
+"""The worker's training loop: pull, compute on every device, sum on the host, push, report.
+
+The trainer talks to the parameter server through ``ParameterServerClient`` only, so it runs
+the same over gRPC and over in-memory shards (``tests/test_trainer.py``). It owns the retry of
+a push or pull that found a shard ``Unavailable``: both calls are idempotent, and backing off
+on the stop flag lets SIGTERM end a backoff at once.
+
+``TrainerProgress.state``: starting -> training -> finished (the job's last step is done) or
+stopped (the stop flag, a coordinator directive, or a call cancelled by ``close(cancel=True)``
+after a stop). An error raised by ``run`` leaves the state as it was.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import LossFn
-from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.ps_api import Cancelled, ParameterServerClient, PsClientError, RetryPolicy, with_retries
 from pstrain.worker import metrics
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_RETRY = RetryPolicy()  # about 1.4 s of backoff over 3 repeats: a shard restarting
 
 
 class StepReporter(Protocol):
@@ -37,11 +52,12 @@ class Trainer:
         worker_id: int,
         job: pb.JobSpec,
         replicas: ReplicaSet,
-        ps: PsClient,
+        ps: ParameterServerClient,
         feed: DataFeed,
         loss_fn: LossFn,
         reporter: StepReporter,
         stop: threading.Event,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
         self.worker_id = worker_id
         self.job = job
@@ -51,30 +67,43 @@ class Trainer:
         self.loss_fn = loss_fn
         self.reporter = reporter
         self.stop = stop
+        self.retry = retry
         self.progress = TrainerProgress()
+        self._ran = 0  # steps this run() has completed
 
     def run(self) -> int:
-        """Train until the job's last step; returns the number of steps this worker ran."""
-        version = self.ps.pull(0, self.replicas.host_params)
+        """Train until the job's last step or a stop; returns the number of steps this worker ran.
+
+        To stop a trainer blocked in a pull, set ``stop``, then ``ps.close(cancel=True)``.
+        """
+        self._ran = 0
+        try:
+            self._train()
+        except Cancelled:
+            if not self.stop.is_set():
+                raise  # the client was closed under a trainer nobody asked to stop
+            self.progress.state = "stopped"
+            log.info("worker %d stopped during a parameter-server call", self.worker_id)
+        return self._ran
+
+    def _train(self) -> None:
+        version = self._retrying("pull", lambda: self.ps.pull(0, self.replicas.host_params))
         self.replicas.load_parameters()
         self.replicas.train()
         self.progress.state = "training"
         log.info("worker %d starts at step %d of %d", self.worker_id, version, self.job.steps)
-        ran = 0
         for step in range(version, self.job.steps):
             if self.stop.is_set():
                 self.progress.state = "stopped"
                 log.info("worker %d stopping before step %d", self.worker_id, step)
-                break
+                return
             directive = self._step(step)
-            ran += 1
+            self._ran += 1
             if directive.stop and step + 1 < self.job.steps:
                 log.warning("coordinator stopped the job at step %d: %s", step, directive.reason)
                 self.progress.state = "stopped"
-                break
-        else:
-            self.progress.state = "finished"
-        return ran
+                return
+        self.progress.state = "finished"
 
     def _step(self, step: int) -> pb.Directive:
         started = time.perf_counter()
@@ -83,10 +112,10 @@ class Trainer:
         losses = self.replicas.forward_backward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         grads = self.replicas.sum_gradients()
         computed = time.perf_counter()
-        self.ps.push(grads, self.worker_id, step, devices).wait()
+        self._retrying("push", lambda: self.ps.push(grads, self.worker_id, step, devices).wait())
         pushed = time.perf_counter()
         self.feed.commit()
-        self.ps.pull(step + 1, self.replicas.host_params)
+        self._retrying("pull", lambda: self.ps.pull(step + 1, self.replicas.host_params))
         pulled = time.perf_counter()
         self.replicas.load_parameters()
         elapsed = time.perf_counter() - started
@@ -104,6 +133,14 @@ class Trainer:
                 step_s=elapsed,
             )
         )
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """``call`` repeated after ``Unavailable`` per ``self.retry``; a stop ends the backoff."""
+
+        def warn(exc: PsClientError, delay_s: float) -> None:
+            log.warning("%s failed (%s), retrying in %.1fs", what, exc, delay_s)
+
+        return with_retries(call, self.retry, self.stop.wait, warn)
 
     def _record(
         self,

@@ -1,0 +1,75 @@
+"""The export: once the last step is recorded, write the trained model to ``model.pt``.
+
+The parameters come from the PS shards (``pull`` reads every shard at the final version); the
+buffers (BatchNorm statistics and the like live on the workers, not the PS) come from worker 0's
+upload. A model with buffers waits for that upload up to ``buffers_wait_s``, then exports with
+the buffers it has (the initial ones). Any failure is raised to the ``Job``, which fails the job.
+
+Locking: the export shares the ``Job``'s condition; ``run`` blocks (waits for the buffers, then
+pulls over the network) and never holds the condition while it pulls or writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pstrain.coordinator.errors import InvalidRequest
+from pstrain.coordinator.model_state import ModelState
+
+log = logging.getLogger(__name__)
+
+PullFinal = Callable[[list[str], int], torch.Tensor]
+"""Pull the final parameters: (PS addresses in shard order, version) -> flat vector."""
+
+
+class ModelExport:
+    def __init__(
+        self,
+        model: ModelState,
+        out_dir: Path | None,
+        pull: PullFinal,
+        buffers_wait_s: float,
+        cond: threading.Condition,
+    ) -> None:
+        self.model = model
+        self.out_dir = out_dir
+        self._pull = pull
+        self._buffers_wait_s = buffers_wait_s
+        self._cond = cond
+        self._buffers: dict[str, torch.Tensor] | None = None
+
+    def upload_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Keep the workers' final buffers for the export; each must match the model's by name, dtype and shape."""
+        own = dict(self.model.model.named_buffers())
+        for name, value in buffers.items():
+            if name not in own:
+                raise InvalidRequest(f"the model has no buffer {name!r}")
+            if own[name].shape != value.shape or own[name].dtype != value.dtype:
+                raise InvalidRequest(
+                    f"buffer {name!r} is {value.dtype} {tuple(value.shape)}, the model's is "
+                    f"{own[name].dtype} {tuple(own[name].shape)}"
+                )
+        with self._cond:
+            self._buffers = buffers
+            self._cond.notify_all()
+
+    def run(self, addresses: list[str], version: int) -> None:
+        """Pull the parameters at ``version`` and write model.pt (when there is an out dir); raises on failure."""
+        with self._cond:
+            if any(True for _ in self.model.model.buffers()):
+                deadline = time.monotonic() + self._buffers_wait_s  # a real wait, not the injected clock
+                while self._buffers is None and (remaining := deadline - time.monotonic()) > 0:
+                    self._cond.wait(min(remaining, 1.0))
+                if self._buffers is None:
+                    log.warning("no buffers uploaded within %.0fs: exporting the initial ones", self._buffers_wait_s)
+            buffers = self._buffers or {}
+        flat = self._pull(addresses, version)
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.model.save(self.out_dir / "model.pt", flat, buffers)

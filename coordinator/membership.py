@@ -1,0 +1,183 @@
+"""Who is in the job: PS shards and workers by role, their registration and their liveness.
+
+A member is alive while it was heard from (registration, readiness, a heartbeat, a step report)
+within the heartbeat timeout. A PS shard id is taken by one process at a time: another address
+may take it only once the holder went silent (a shard restarted elsewhere); the same address may
+register again (a retried call). Worker ids are handed out in registration order until the
+plan's slots are full.
+
+Plain and not thread-safe: the ``Job`` calls it only with its lock held. The clock is injected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember
+
+log = logging.getLogger(__name__)
+
+ROLES = ("ps", "worker")
+
+
+@dataclass
+class Member:
+    """The coordinator's record of one member process; heartbeats move ``last_seen``."""
+
+    role: str  # "ps" | "worker"
+    id: int
+    address: str
+    last_seen: float
+    ready: bool = False
+    done: bool = False  # a worker past its last step, a PS told to stop
+    hostname: str = ""
+    metrics_address: str = ""
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """A member as ``status()`` reports it."""
+
+    role: str
+    id: int
+    address: str
+    alive: bool
+    last_seen_s_ago: float
+    metrics_address: str
+
+
+class Membership:
+    def __init__(
+        self,
+        job_id: str,
+        ps_shards: int,
+        workers: int,
+        devices_per_worker: int,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.job_id = job_id
+        self.ps_shards = ps_shards
+        self.workers = workers
+        self.devices_per_worker = devices_per_worker
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._ps: dict[int, Member] = {}
+        self._workers: dict[int, Member] = {}
+
+    # ------------------------------------------------------------------ registration
+
+    def register_ps(self, shard_id: int, address: str, metrics_address: str = "") -> Member:
+        if not 0 <= shard_id < self.ps_shards:
+            raise InvalidRequest(f"shard id {shard_id} out of range: this job has shards 0..{self.ps_shards - 1}")
+        existing = self._ps.get(shard_id)
+        if existing and existing.address != address and self.alive(existing):
+            raise AlreadyRegistered(f"shard {shard_id} is already served by {existing.address}")
+        member = Member("ps", shard_id, address, self._clock(), metrics_address=metrics_address)
+        self._ps[shard_id] = member
+        log.info("PS shard %d registered at %s", shard_id, address)
+        return member
+
+    def ps_ready(self, shard_id: int) -> None:
+        member = self._ps.get(shard_id)
+        if member is None:
+            raise UnknownMember(f"shard {shard_id} never registered")
+        member.ready = True
+        member.last_seen = self._clock()
+
+    def register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str = "") -> Member:
+        if devices and len(devices) != self.devices_per_worker:
+            raise InvalidRequest(
+                f"worker offers {len(devices)} devices but the plan needs {self.devices_per_worker} "
+                f"per worker (cluster.devices_per_worker)"
+            )
+        if len(self._workers) >= self.workers:
+            raise NoFreeSlot(f"all {self.workers} worker slots of job {self.job_id} are taken")
+        worker_id = len(self._workers)
+        member = Member(
+            "worker", worker_id, address, self._clock(), ready=True, hostname=hostname, metrics_address=metrics_address
+        )
+        self._workers[worker_id] = member
+        log.info("worker %d registered from %s (%s)", worker_id, hostname, address)
+        return member
+
+    # ------------------------------------------------------------------ lookups
+
+    def ps(self, shard_id: int) -> Member:
+        member = self._ps.get(shard_id)
+        if member is None:
+            raise UnknownMember(f"shard {shard_id} must register before fetching its parameters")
+        return member
+
+    def worker(self, worker_id: int) -> Member:
+        member = self._workers.get(worker_id)
+        if member is None:
+            raise UnknownMember(f"worker {worker_id} is not registered in job {self.job_id}")
+        return member
+
+    def has_worker(self, worker_id: int) -> bool:
+        return worker_id in self._workers
+
+    @property
+    def worker_count(self) -> int:
+        return len(self._workers)
+
+    def all_ps_ready(self) -> bool:
+        return len(self._ps) == self.ps_shards and all(m.ready for m in self._ps.values())
+
+    def all_ps_done(self) -> bool:
+        return all(m.done for m in self._ps.values())
+
+    def missing_ps(self) -> list[int]:
+        """PS shard ids not (yet) registered and ready."""
+        return [i for i in range(self.ps_shards) if not (i in self._ps and self._ps[i].ready)]
+
+    def ps_addresses(self) -> list[str]:
+        """Addresses in shard order; every shard must have registered."""
+        return [self._ps[i].address for i in range(self.ps_shards)]
+
+    # ------------------------------------------------------------------ liveness
+
+    def heard_from(self, role: str, member_id: int) -> Member:
+        """A heartbeat: the member is alive now."""
+        if role not in ROLES:
+            raise InvalidRequest(f"unknown role {role!r}; use 'ps' or 'worker'")
+        member = (self._ps if role == "ps" else self._workers).get(member_id)
+        if member is None:
+            raise UnknownMember(f"{role} {member_id} is not registered")
+        member.last_seen = self._clock()
+        return member
+
+    def alive(self, member: Member) -> bool:
+        return self._clock() - member.last_seen <= self.heartbeat_timeout_s
+
+    def alive_count(self, role: str) -> int:
+        members = self._ps if role == "ps" else self._workers
+        return sum(1 for m in members.values() if self.alive(m))
+
+    def silent(self) -> str | None:
+        """Why the job must fail: the first member with work left that is silent past the timeout, if any."""
+        now = self._clock()
+        for member in self.members():
+            if not member.done and now - member.last_seen > self.heartbeat_timeout_s:
+                return f"{member.role} {member.id} at {member.address} silent for {now - member.last_seen:.0f}s"
+        return None
+
+    def members(self) -> list[Member]:
+        return [*self._ps.values(), *self._workers.values()]
+
+    def views(self) -> list[MemberView]:
+        now = self._clock()
+        return [
+            MemberView(
+                role=m.role,
+                id=m.id,
+                address=m.address,
+                alive=now - m.last_seen <= self.heartbeat_timeout_s,
+                last_seen_s_ago=now - m.last_seen,
+                metrics_address=m.metrics_address,
+            )
+            for m in self.members()
+        ]

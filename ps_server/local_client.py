@@ -1,0 +1,148 @@
+"""An in-memory ``ParameterServerClient``: calls ``ParameterShard``s directly, no network.
+
+It keeps the gRPC client's contract (``tests/test_ps_client_contract.py`` runs one suite on
+both) so the trainer is unit-tested without sockets. The shard's ``PsError``s become the
+same ``ps_api`` errors the gRPC client derives from status codes; any other error is raised
+unchanged.
+
+Pushes run on the caller's thread (a shard's push never waits for peers); a shard's error
+still comes from ``PushHandle.wait``, as it does over gRPC. A pull waits on each shard in
+slices of ``CANCEL_POLL_S`` so that ``close(cancel=True)`` from another thread ends it
+promptly without closing the shards, which other clients (other workers) share.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+import torch
+
+from pstrain.ps_server import errors as shard_errors
+from pstrain.ps_server.shard import ParameterShard
+from pstrain.runtime.ps_api import (
+    Cancelled,
+    InvalidRequest,
+    PsClientError,
+    PushHandle,
+    ShardAck,
+    StepConflict,
+    Unavailable,
+    UnknownWorker,
+    WaitTimeout,
+    agreed_version,
+    check_pull_buffer,
+    check_push_buffer,
+)
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
+
+# The shard's error -> the client error; the same pairs the gRPC path makes via status codes.
+ERRORS: dict[type[shard_errors.PsError], type[PsClientError]] = {
+    shard_errors.InvalidArgument: InvalidRequest,
+    shard_errors.UnknownWorker: UnknownWorker,
+    shard_errors.StepConflict: StepConflict,
+    shard_errors.NotReady: Unavailable,
+    shard_errors.WaitTimeout: WaitTimeout,
+}
+
+CANCEL_POLL_S = 0.05  # the longest a cancelled pull keeps waiting on a shard
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except shard_errors.PsError as exc:
+        error = next((ERRORS[cls] for cls in type(exc).__mro__ if cls in ERRORS), None)
+        if error is None:
+            raise
+        raise error(str(exc)) from exc
+
+
+class LocalPsClient:
+    """A client over shards in this process. It does not own them: ``close`` leaves them open."""
+
+    def __init__(self, shards: Sequence[ParameterShard], pull_timeout_s: float = 600.0) -> None:
+        if not shards:
+            raise ValueError("a parameter-server client needs at least one shard")
+        self.total = shards[-1].end
+        self.ranges: list[ShardRange] = shard_ranges(self.total, len(shards))
+        held = [ShardRange(s.shard_id, s.start, s.end) for s in shards]
+        if held != self.ranges:
+            raise ValueError(f"shards {held} do not follow the shard map {self.ranges}; pass them in shard order")
+        self._shards = list(shards)
+        self._pull_timeout_s = pull_timeout_s
+        self._cancel = threading.Event()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._in_flight = 0
+
+    def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
+        check_push_buffer(flat, self.total)
+        futures: list[Future[ShardAck]] = []
+        with self._call():
+            for r, shard in zip(self.ranges, self._shards, strict=True):
+                future: Future[ShardAck] = Future()
+                try:
+                    with _translated():
+                        result = shard.push(worker_id, step, flat[r.start : r.end], device_count)
+                except Exception as exc:  # noqa: BLE001 - delivered by wait(), as over gRPC
+                    future.set_exception(exc)
+                else:
+                    future.set_result(ShardAck(r.shard_id, result.version, result.duplicate, result.completed))
+                futures.append(future)
+        return PushHandle(futures)
+
+    def pull(self, min_version: int, out: torch.Tensor) -> int:
+        check_pull_buffer(out, self.total)
+        with self._call():
+            deadline = time.monotonic() + self._pull_timeout_s
+            versions = [
+                self._pull_one(shard, min_version, out[r.start : r.end], deadline)
+                for r, shard in zip(self.ranges, self._shards, strict=True)
+            ]
+        return agreed_version(versions)
+
+    def close(self, cancel: bool = False) -> None:
+        """Refuse new calls; with ``cancel`` end waiting pulls now, else wait for calls in flight."""
+        with self._cond:
+            self._closed = True
+            if cancel:
+                self._cancel.set()
+                return
+            while self._in_flight:
+                self._cond.wait()
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        with self._cond:
+            if self._closed:
+                raise Cancelled("the parameter-server client is closed")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    def _pull_one(self, shard: ParameterShard, min_version: int, dest: torch.Tensor, deadline: float) -> int:
+        with _translated():
+            while True:
+                if self._cancel.is_set():
+                    raise Cancelled(f"pull of version {min_version} cancelled: the client was closed")
+                remaining = deadline - time.monotonic()
+                try:
+                    with shard.read(min_version, max(0.0, min(CANCEL_POLL_S, remaining))) as (version, params):
+                        dest.copy_(params)
+                        return version
+                except shard_errors.WaitTimeout as exc:
+                    if remaining > CANCEL_POLL_S:
+                        continue
+                    raise WaitTimeout(
+                        f"shard {shard.shard_id} is at version {shard.version}; version {min_version} did not "
+                        f"appear within {self._pull_timeout_s:.1f}s"
+                    ) from exc

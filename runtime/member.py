@@ -1,0 +1,264 @@
+"""The skeleton of a member process (a PS shard or a worker): serve, join, ready, heartbeat, drain.
+
+Both member kinds differ only in how they join (what they register and prepare) and what
+they do once serving; everything around that is here, once. ``MemberProcess.run(body)``
+calls ``body(member)`` between the coordinator becoming reachable and the drain, and maps
+errors to exit codes (``EXIT_CODES``).
+
+States (``MemberState``)::
+
+    STARTING --server listening (NOT_SERVING), signals armed, coordinator reachable--> JOINING
+    STARTING --security settings unusable (exit 2): nothing was started--> STOPPED
+    JOINING  --the body registered and prepared; ready(): SERVING, port file, READY=1--> SERVING
+    STARTING --coordinator unreachable within --connect-timeout-s (exit 1)--> DRAINING
+    JOINING/SERVING --the body returned or raised--> DRAINING
+    DRAINING --STOPPING=1, heartbeat off, the body's resources closed, server drained,
+               coordinator channel closed--> STOPPED
+
+The body learns when to finish from ``stop``: SIGTERM/SIGINT set it, and so does the
+heartbeat when the coordinator aborts the job (``aborted`` is set first) or, for members
+that live as long as the job (``stop_when_job_ends``), when it says the job is over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.lifecycle import (
+    add_common_flags,
+    advertised_address,
+    sd_notify,
+    stop_on_signals,
+    wait_until_reachable,
+    write_port_file,
+)
+from pstrain.runtime.metrics import serve_metrics
+from pstrain.runtime.security import SecurityError, TransportSecurity, security_from_args
+from pstrain.runtime.transport import CONTROL_TIMEOUT_S, ServingServer, host_of, open_channel, start_server
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (SecurityError, 2),  # settings that cannot work: retrying will not help
+    (grpc.RpcError, 1),
+    (ConnectionError, 1),
+)
+"""Expected failures and their exit codes; anything else propagates (traceback, exit 1)."""
+
+
+def _started(value: T | None, what: str) -> T:
+    if value is None:
+        raise RuntimeError(f"{what} has not started")
+    return value
+
+
+class MemberState(enum.Enum):
+    STARTING = "starting"
+    JOINING = "joining"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+_NEXT: dict[MemberState, frozenset[MemberState]] = {
+    MemberState.STARTING: frozenset({MemberState.JOINING, MemberState.DRAINING, MemberState.STOPPED}),
+    MemberState.JOINING: frozenset({MemberState.SERVING, MemberState.DRAINING}),
+    MemberState.SERVING: frozenset({MemberState.DRAINING}),
+    MemberState.DRAINING: frozenset({MemberState.STOPPED}),
+    MemberState.STOPPED: frozenset(),
+}
+
+
+def add_member_flags(parser: argparse.ArgumentParser) -> None:
+    """The common flags plus what every member needs to find and reach the coordinator."""
+    parser.add_argument("--coordinator", required=True, help="coordinator address, host:port")
+    parser.add_argument(
+        "--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)"
+    )
+    parser.add_argument("--connect-timeout-s", type=float, default=120.0)
+    add_common_flags(parser, default_bind="0.0.0.0:0")
+
+
+@dataclass
+class MemberServer:
+    """What a member process has once it listens: server, addresses, security."""
+
+    server: ServingServer
+    address: str  # what peers dial
+    metrics_address: str  # empty when metrics are off
+    security: TransportSecurity
+
+
+def start_member_server(
+    args: argparse.Namespace, register: list[tuple[object, object]], service_names: list[str]
+) -> MemberServer:
+    """Serve (health NOT_SERVING) and start metrics with the common flags; raises SecurityError."""
+    security = security_from_args(args)
+    server = start_server(args.bind, register, service_names, security)
+    host = getattr(args, "advertise_host", None)
+    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
+    metrics_address = advertised_address(args.bind, metrics_port, host) if metrics_port > 0 else ""
+    return MemberServer(server, advertised_address(args.bind, server.port, host), metrics_address, security)
+
+
+class MemberProcess:
+    """One member process's life; see the module docstring for the states.
+
+    ``fatal_errors`` are the member's own expected failures (a bad device list, a model
+    factory that does not match): logged and exit 1 like RPC and connection failures.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        role: str,
+        register: list[tuple[object, object]],
+        service_names: list[str],
+        fatal_errors: tuple[type[Exception], ...] = (),
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
+        self.args = args
+        self.role = role  # "ps" | "worker", as the coordinator's Heartbeat names it
+        self.stop = threading.Event()  # the body's cue to finish: a signal, or the coordinator
+        self.aborted = threading.Event()  # the coordinator failed the job
+        self.state = MemberState.STARTING
+        self.heartbeat: threading.Thread | None = None
+        self._register = register
+        self._service_names = service_names
+        self._exit_codes = (*EXIT_CODES, *((error, 1) for error in fatal_errors))
+        self._signals = signals
+        self._heartbeat_off = threading.Event()
+        self._resources = ExitStack()
+        self._server: MemberServer | None = None
+        self._channel: grpc.Channel | None = None
+        self._coordinator: pb_grpc.CoordinatorStub | None = None
+
+    # ------------------------------------------------------------------ what the body uses
+
+    @property
+    def served(self) -> MemberServer:
+        return _started(self._server, "the member's server")
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The one long-lived channel to the coordinator."""
+        return _started(self._channel, "the coordinator channel")
+
+    @property
+    def coordinator(self) -> pb_grpc.CoordinatorStub:
+        return _started(self._coordinator, "the coordinator stub")
+
+    def closing(self, close: Callable[[], object]) -> None:
+        """Call ``close`` when draining, before the server stops; the last registered closes first."""
+        self._resources.callback(close)
+
+    def start_heartbeat(self, member_id: int, interval_s: float, *, stop_when_job_ends: bool) -> None:
+        """Heartbeat every ``interval_s`` in a thread until draining or until the coordinator says stop.
+
+        A FAILED job sets ``aborted`` and ``stop``. A job that ended otherwise sets ``stop`` only
+        with ``stop_when_job_ends``: a PS lives as long as the job, while a worker finishes on its
+        own (worker 0 still uploads the model buffers) and must not be cut short.
+        """
+        if self.heartbeat is not None:
+            raise RuntimeError("the heartbeat is already running")
+        self.heartbeat = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(pb.HeartbeatRequest(role=self.role, id=member_id), interval_s, stop_when_job_ends),
+            name="heartbeat",
+            daemon=True,
+        )
+        self.heartbeat.start()
+
+    def ready(self, announce: Callable[[], object] | None = None) -> None:
+        """Health SERVING, the port file, ``announce`` (tell the coordinator), READY=1: in that order,
+        so whoever reads the port file or hears READY=1 finds a serving member."""
+        self._enter(MemberState.SERVING)
+        self.served.server.set_serving(True)
+        if self.args.port_file:
+            write_port_file(self.args.port_file, self.served.server.port)
+        if announce is not None:
+            announce()
+        sd_notify("READY=1")
+
+    # ------------------------------------------------------------------ the skeleton
+
+    def run(self, body: Callable[[MemberProcess], int]) -> int:
+        """Serve, reach the coordinator, run ``body(self)``, drain; returns the exit code."""
+        try:
+            self._server = start_member_server(self.args, self._register, self._service_names)
+        except SecurityError as exc:
+            self._enter(MemberState.STOPPED)
+            return self._exit_code(exc)
+        if self._signals:
+            stop_on_signals(self.stop, self._signals)
+        self._channel = open_channel(self.args.coordinator, self._server.security)
+        try:
+            wait_until_reachable(self._channel, self.args.coordinator, self.args.connect_timeout_s)
+            self._coordinator = pb_grpc.CoordinatorStub(self._channel)
+            self._enter(MemberState.JOINING)
+            return body(self)
+        except Exception as exc:
+            if not any(isinstance(exc, error) for error, _ in self._exit_codes):
+                raise
+            return self._exit_code(exc)
+        finally:
+            self._drain()
+
+    def _drain(self) -> None:
+        self._enter(MemberState.DRAINING)
+        sd_notify("STOPPING=1")
+        self._heartbeat_off.set()
+        try:
+            self._resources.close()
+        finally:
+            self.served.server.stop(self.args.grace_s)
+            self.channel.close()  # cancels a heartbeat in flight
+            if self.heartbeat is not None:
+                self.heartbeat.join(CONTROL_TIMEOUT_S)
+            self._enter(MemberState.STOPPED)
+
+    def _exit_code(self, exc: Exception) -> int:
+        if isinstance(exc, grpc.RpcError):
+            log.error("RPC failed: %s: %s", exc.code().name, exc.details())
+        else:
+            log.error("%s", exc)
+        return next(code for error, code in self._exit_codes if isinstance(exc, error))
+
+    def _heartbeat_loop(self, request: pb.HeartbeatRequest, interval_s: float, stop_when_job_ends: bool) -> None:
+        while not self._heartbeat_off.wait(interval_s):
+            try:
+                directive = self.coordinator.Heartbeat(request, timeout=CONTROL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if not self._heartbeat_off.is_set():
+                    log.warning("heartbeat to coordinator failed: %s", exc.details())
+                continue
+            if not directive.stop:
+                continue
+            if directive.state == pb.FAILED:
+                log.error("coordinator aborted the job: %s", directive.reason)
+                self.aborted.set()
+                self.stop.set()
+            else:
+                log.info("coordinator says stop: %s", directive.reason)
+                if stop_when_job_ends:
+                    self.stop.set()
+            return
+
+    def _enter(self, state: MemberState) -> None:
+        if state not in _NEXT[self.state]:
+            raise RuntimeError(f"a member cannot go from {self.state.name} to {state.name}")
+        log.debug("member %s -> %s", self.state.name, state.name)
+        self.state = state

@@ -1,0 +1,151 @@
+"""The optimizers a job may name: one registry entry each, read by the schema, the plan and the PS shard.
+
+An entry says everything the rest of pstrain needs to know about an optimizer, so adding one is
+adding an entry (and its name to ``OptimizerName``):
+
+* the job-file options it takes (beyond ``lr``) and the rules they obey: the schema rejects a
+  bad value, or an option the optimizer would silently ignore, before any process starts;
+* how many fp32 state tensors it keeps per parameter element: the planner sizes PS memory with it;
+* whether it is Adam-type (its step is normalised per element): ``lr_scaling: auto`` picks sqrt;
+* the torch builder a PS shard calls for its one flat Parameter.
+
+The entries here are elementwise: applied to a slice of the flat parameter vector they give
+bit-for-bit what they give applied to the whole model, which is what makes sharding exact. A
+layer-wise optimizer (LARS, LAMB) needs the layer boundaries inside a shard's slice as well; its
+entry's builder would take them as one more argument.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+OptimizerName = Literal["sgd", "adam", "adamw"]
+"""The names a job file may give ``optimizer.name``; one registry entry each."""
+
+Options = Mapping[str, Any]
+Builder = Callable[[torch.nn.Parameter, float, Options], torch.optim.Optimizer]
+
+
+class OptimizerError(ValueError):
+    """Base of the registry's errors; the schema and the PS shard map them to their own."""
+
+
+class UnknownOptimizer(OptimizerError):
+    """A name with no registry entry."""
+
+
+class BadOption(OptimizerError):
+    """An option value the optimizer cannot use; ``option`` is the job-file key under ``optimizer``."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+        self.message = message
+
+
+def _non_negative(value: Any) -> str | None:
+    return None if value >= 0 else f"must be non-negative, got {value}"
+
+
+def _positive(value: Any) -> str | None:
+    return None if value > 0 else f"must be positive, got {value}"
+
+
+def _betas(value: Any) -> str | None:
+    ok = len(value) == 2 and all(0 <= b < 1 for b in value)
+    return None if ok else f"must be two numbers in [0, 1), got {value}"
+
+
+OPTION_RULES: dict[str, Callable[[Any], str | None]] = {
+    "momentum": _non_negative,
+    "weight_decay": _non_negative,
+    "betas": _betas,
+    "eps": _positive,
+}
+"""Per-option rules shared by every entry that takes the option; ``None`` means the value is fine."""
+
+
+def _nesterov_needs_momentum(options: Options) -> None:
+    if options["nesterov"] and not (options["momentum"] > 0 and options["dampening"] == 0):
+        raise BadOption("nesterov", "needs momentum > 0 and dampening 0")
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    name: str
+    build: Builder
+    """``build(param, lr, options)``: the torch optimizer over one flat Parameter."""
+    options: tuple[str, ...]
+    """Job-file keys under ``optimizer`` this optimizer reads, besides ``lr``."""
+    state_tensors: int
+    """fp32 tensors of the parameter's size it keeps (SGD's momentum buffer counts even at momentum 0)."""
+    adaptive: bool
+    """Adam-type: the step is normalised per element, so ``lr_scaling: auto`` scales the LR by sqrt."""
+    checks: tuple[Callable[[Options], None], ...] = ()
+    """Rules across options, run after the per-option ``OPTION_RULES``; they raise ``BadOption``."""
+
+    def validate(self, options: Options) -> None:
+        """Raise ``BadOption`` for the first option that breaks a rule; ``options`` maps each of ``self.options``."""
+        for option in self.options:
+            rule = OPTION_RULES.get(option)
+            problem = rule(options[option]) if rule is not None else None
+            if problem is not None:
+                raise BadOption(option, problem)
+        for check in self.checks:
+            check(options)
+
+
+def _sgd(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        [param],
+        lr=lr,
+        momentum=o["momentum"],
+        dampening=o["dampening"],
+        nesterov=o["nesterov"],
+        weight_decay=o["weight_decay"],
+    )
+
+
+def _adam(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimizer:
+    return torch.optim.Adam([param], lr=lr, betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
+
+
+def _adamw(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([param], lr=lr, betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
+
+
+_ADAM_OPTIONS = ("betas", "eps", "weight_decay")
+
+REGISTRY: dict[str, OptimizerEntry] = {
+    entry.name: entry
+    for entry in (
+        OptimizerEntry(
+            "sgd",
+            _sgd,
+            ("momentum", "dampening", "nesterov", "weight_decay"),
+            state_tensors=1,
+            adaptive=False,
+            checks=(_nesterov_needs_momentum,),
+        ),
+        OptimizerEntry("adam", _adam, _ADAM_OPTIONS, state_tensors=2, adaptive=True),
+        OptimizerEntry("adamw", _adamw, _ADAM_OPTIONS, state_tensors=2, adaptive=True),
+    )
+}
+
+OPTIMIZERS: tuple[str, ...] = tuple(REGISTRY)
+"""Registered names, in the order error messages list them."""
+
+if typing.get_args(OptimizerName) != OPTIMIZERS:
+    raise RuntimeError(f"OptimizerName {typing.get_args(OptimizerName)} and the registry {OPTIMIZERS} disagree")
+
+
+def optimizer_entry(name: str) -> OptimizerEntry:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UnknownOptimizer(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}") from None

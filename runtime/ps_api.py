@@ -1,0 +1,195 @@
+"""What a worker needs from the parameter server, independent of how it is reached.
+
+Shaped like ps-lite's ``KVWorker``: ``push`` returns a handle at once and ``wait`` collects the
+shards' acknowledgements; ``pull`` blocks until a version exists and writes it into a buffer
+the caller owns. Two implementations keep the same contract (``tests/test_ps_client_contract.py``
+runs one suite against both):
+
+- ``pstrain.runtime.ps_client.PsClient``: gRPC streams to every shard, concurrently.
+- ``pstrain.ps_server.local_client.LocalPsClient``: calls in-memory ``ParameterShard``s directly,
+  so the trainer is unit-tested without a network.
+
+Errors are the seam's own: each implementation translates what its transport raises (gRPC
+status codes, the shard's ``PsError``s) into the hierarchy below, so a caller handles a stale
+step or a timeout the same way whichever client it holds. Anything the mapping does not name
+(an internal server error, a bug) is raised unchanged.
+
+Retries live with the caller, not in the clients: a push is idempotent per (worker, step) and
+a pull is read-only, so ``with_retries`` can repeat a whole call after an ``Unavailable``, and
+the trainer passes its stop flag as the backoff wait so SIGTERM cuts a backoff short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+
+from pstrain.runtime.shard_map import ShardRange
+
+T = TypeVar("T")
+
+
+class PsClientError(Exception):
+    """Base of every error a ``ParameterServerClient`` raises on purpose."""
+
+
+class InvalidRequest(PsClientError, ValueError):
+    """Wrong size, dtype or shape of a buffer, or a request a shard finds malformed (INVALID_ARGUMENT)."""
+
+
+class UnknownWorker(PsClientError):
+    """The shards do not know this worker id (NOT_FOUND)."""
+
+
+class StepConflict(PsClientError):
+    """A push for a step the shard is not at: stale (past) or ahead of it (FAILED_PRECONDITION)."""
+
+
+class Unavailable(PsClientError):
+    """A shard cannot be reached, is not ready yet or is shutting down (UNAVAILABLE); retryable."""
+
+
+class WaitTimeout(PsClientError):
+    """A call did not finish within its deadline, e.g. a pull of a version nobody produces (DEADLINE_EXCEEDED)."""
+
+
+class Cancelled(PsClientError):
+    """The client was closed: ``close(cancel=True)`` cut the call short, or it came after ``close``."""
+
+
+RETRYABLE: tuple[type[PsClientError], ...] = (Unavailable,)
+
+
+@dataclass(frozen=True)
+class ShardAck:
+    """One shard's answer to one push."""
+
+    shard_id: int
+    version: int  # the shard's version after this push
+    duplicate: bool  # already counted for this (worker, step): acknowledged, not counted again
+    completed: bool  # this push was the last of its step and the shard applied the update
+
+
+@dataclass
+class PushHandle:
+    """One push in flight to every shard; ``wait`` returns the acknowledgements in shard order.
+
+    A shard's error is raised from ``wait``, not from ``push``: the other shards' slices are
+    already on their way, and the caller decides whether to repeat the (idempotent) push.
+    """
+
+    futures: list[Future[ShardAck]]
+
+    def wait(self) -> list[ShardAck]:
+        return [result_of(f) for f in self.futures]
+
+
+def result_of(future: Future[T]) -> T:
+    """``future.result()``, with a future dropped by ``close(cancel=True)`` reported as ``Cancelled``."""
+    try:
+        return future.result()
+    except CancelledError as exc:
+        raise Cancelled("the parameter-server client was closed before this call started") from exc
+
+
+class ParameterServerClient(Protocol):
+    """A worker's view of the sharded parameter server (S1.2, synchronous).
+
+    The flat float32 parameter vector of ``total`` elements is split by ``ranges`` (from
+    ``shard_map.shard_ranges``, the one shard map). Version v of the parameters is the result
+    of steps 0..v-1; a worker pulls version t, computes step t, pushes it and pulls t + 1.
+    """
+
+    ranges: list[ShardRange]
+    total: int
+
+    def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
+        """Send every shard its slice of ``flat`` (contiguous 1-D float32, ``total`` long) for ``step``.
+
+        ``flat`` is the sum of ``device_count`` devices' gradients; the shard divides the step's
+        total by the sum of the device counts pushed for it. Raises ``InvalidRequest`` at once
+        for a wrong buffer; shard errors (``StepConflict``, ``UnknownWorker``, ...) come from
+        ``wait``. Repeating a push for the same (worker, step) is acknowledged as a duplicate
+        and not counted twice.
+        """
+        ...
+
+    def pull(self, min_version: int, out: torch.Tensor) -> int:
+        """Wait until every shard is at ``min_version`` or newer, fill ``out``, return the version.
+
+        Raises ``WaitTimeout`` past the client's pull deadline and ``Cancelled`` when the
+        client is closed with ``cancel=True`` meanwhile.
+        """
+        ...
+
+    def close(self, cancel: bool = False) -> None:
+        """Release the client. Without ``cancel`` calls in flight finish first; with it they
+        fail at once with ``Cancelled`` (how a worker honours SIGTERM during a blocked pull).
+        Every later call raises ``Cancelled``."""
+        ...
+
+
+def check_push_buffer(flat: torch.Tensor, total: int) -> None:
+    if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() != total:
+        raise InvalidRequest(
+            f"push needs a 1-D float32 vector of {total} elements, got {flat.dtype} of shape {tuple(flat.shape)}"
+        )
+
+
+def check_pull_buffer(out: torch.Tensor, total: int) -> None:
+    if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != total or not out.is_contiguous():
+        raise InvalidRequest(
+            f"pull needs a contiguous 1-D float32 buffer of {total} elements, "
+            f"got {out.dtype} of shape {tuple(out.shape)}"
+        )
+
+
+def agreed_version(versions: list[int]) -> int:
+    """The version every shard returned; shards that disagree mean the job is broken."""
+    if len(set(versions)) != 1:
+        raise RuntimeError(f"shards returned different versions {versions}; the job is inconsistent")
+    return versions[0]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to repeat a call that failed with a ``RETRYABLE`` error."""
+
+    retries: int = 3  # repeats after the first try
+    first_delay_s: float = 0.2  # doubles after every failed repeat
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries must be non-negative, got {self.retries}")
+        if self.first_delay_s < 0:
+            raise ValueError(f"first_delay_s must be non-negative, got {self.first_delay_s}")
+
+
+def with_retries(
+    call: Callable[[], T],
+    policy: RetryPolicy,
+    wait: Callable[[float], bool],
+    on_retry: Callable[[PsClientError, float], None] | None = None,
+) -> T:
+    """Run ``call``, repeating it after a ``RETRYABLE`` error with exponential backoff.
+
+    ``wait(delay)`` sleeps between tries and returns True to give up early (pass a stop
+    event's ``wait``); giving up raises ``Cancelled`` from the last error.
+    """
+    delay = policy.first_delay_s
+    for attempt in range(policy.retries + 1):
+        try:
+            return call()
+        except RETRYABLE as exc:
+            if attempt == policy.retries:
+                raise
+            if on_retry is not None:
+                on_retry(exc, delay)
+            if wait(delay):
+                raise Cancelled("stopped while waiting to retry a parameter-server call") from exc
+            delay *= 2
+    raise AssertionError("unreachable")
