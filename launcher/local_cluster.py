@@ -42,6 +42,32 @@ class ClusterFailure(RuntimeError):
     """A process of the local cluster died or the job failed."""
 
 
+class ProcessDied(ClusterFailure):
+    """A child exited unexpectedly: the cluster is restarted from the last committed checkpoint."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``pstrain local`` supervises its children, like systemd's ``Restart=on-failure``.
+
+    A child that dies (killed, crashed, exit 1) takes the cluster down; it is started again
+    after ``backoff_s`` (doubling each time, up to ``max_backoff_s``) and resumes from the
+    newest committed checkpoint, at most ``max_restarts`` times. Exit code 2 (a bad job file
+    or flag) is never retried: it would fail the same way again.
+    """
+
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -82,7 +108,7 @@ class LocalCluster:
     def _spawn(self, name: str, module: str, args: list[str]) -> ManagedProcess:
         log_path = self.out_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(log_path, "wb")  # noqa: SIM115 - closed in shutdown()
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed in shutdown(); appends across restarts
         popen = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--log-level", self.log_level, *self.cfg.security.flags()],
             stdin=subprocess.DEVNULL,
@@ -127,7 +153,7 @@ class LocalCluster:
         for proc in self.processes:
             code = proc.popen.poll()
             if code not in (None, 0):
-                raise ClusterFailure(f"{proc.name} exited with code {code}; last log lines:\n{proc.tail()}")
+                raise ProcessDied(f"{proc.name} exited with code {code}; last log lines:\n{proc.tail()}", code)
 
     def run(self) -> int:
         """Follow the job to its end; returns the number of steps recorded."""
@@ -177,12 +203,18 @@ class LocalCluster:
             raise ClusterFailure(f"job failed: {final[0].message}")
         return final[0].step
 
-    def shutdown(self) -> None:
-        """SIGTERM everyone (workers first), wait the grace period, SIGKILL whoever is left."""
+    def shutdown(self, kill: bool = False) -> None:
+        """SIGTERM everyone (workers first), wait the grace period, SIGKILL whoever is left.
+
+        With ``kill`` (a restart after a crash) everyone gets SIGKILL at once: the state that
+        matters is in the committed checkpoint, and survivors blocked on the dead peer would
+        only use up their grace period.
+        """
         order = sorted(self.processes, key=lambda p: (not p.name.startswith("worker"), p.name == "coordinator"))
+        self.processes = []
         for proc in order:
             if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
+                proc.popen.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s + 5
         for proc in order:
             try:
@@ -194,20 +226,44 @@ class LocalCluster:
             proc.log_file.close()
 
 
-def run_local(cluster: LocalCluster) -> int:
-    try:
-        cluster.start()
-        steps = cluster.run()
-        print(f"trained {steps} steps; model written to {cluster.out_dir / 'model.pt'}")
-        return 0
-    except ClusterFailure as exc:
-        print(f"pstrain local: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("pstrain local: interrupted; stopping the cluster", file=sys.stderr)
-        return 130
-    finally:
-        cluster.shutdown()
+def run_local(cluster: LocalCluster, policy: RestartPolicy | None = None) -> int:
+    """Run the cluster to the job's end, restarting it after a child dies (see ``RestartPolicy``)."""
+    policy = policy or RestartPolicy()
+    attempt = 0
+    while True:
+        try:
+            cluster.start()
+            steps = cluster.run()
+            print(f"trained {steps} steps; model written to {cluster.out_dir / 'model.pt'}")
+            return 0
+        except ProcessDied as exc:
+            cluster.shutdown(kill=True)
+            if exc.exit_code == 2 or attempt >= policy.max_restarts:
+                print(f"pstrain local: {exc}", file=sys.stderr)
+                if attempt >= policy.max_restarts and exc.exit_code != 2:
+                    print(f"pstrain local: gave up after {attempt} restart(s)", file=sys.stderr)
+                return 1
+            first_line = str(exc).splitlines()[0]
+            delay = policy.delay(attempt)
+            attempt += 1
+            print(
+                f"pstrain local: {first_line}; restarting the cluster from the last committed checkpoint "
+                f"in {delay:.1f}s (restart {attempt} of {policy.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+        except ClusterFailure as exc:
+            print(f"pstrain local: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("pstrain local: interrupted; stopping the cluster", file=sys.stderr)
+            return 130
+        finally:
+            cluster.shutdown()
+        try:
+            time.sleep(delay)  # restart backoff, not a wait for a peer
+        except KeyboardInterrupt:
+            return 130
 
 
 def last_metrics(out_dir: Path) -> dict[str, float] | None:

@@ -104,7 +104,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes")
+    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite")
     class LayerPoliciesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,10 @@ class JobSpec(_message.Message):
     LAYER_POLICIES_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     PINNED_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEEP_FIELD_NUMBER: _ClassVar[int]
+    ON_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_factory: str
     model_kwargs_json: str
@@ -164,27 +168,33 @@ class JobSpec(_message.Message):
     layer_policies: _containers.ScalarMap[str, str]
     prefetch: int
     pinned_limit_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint_every_steps: int
+    checkpoint_dir: str
+    checkpoint_keep: int
+    on_nonfinite: str
+    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel")
+    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     worker_id: int
     step: int
     device_count: int
     dtype: DType
     numel: int
-    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ...) -> None: ...
+    skip: bool
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -195,14 +205,16 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("version", "duplicate", "completed")
+    __slots__ = ("version", "duplicate", "completed", "skipped")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     version: int
     duplicate: bool
     completed: bool
-    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ...) -> None: ...
+    skipped: bool
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("shard_id", "min_version")
@@ -255,14 +267,24 @@ class RegisterPsRequest(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterPsReply(_message.Message):
-    __slots__ = ("job", "start", "end")
+    __slots__ = ("job", "start", "end", "resume_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     job: JobSpec
     start: int
     end: int
-    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+    resume_step: int
+    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., resume_step: _Optional[int] = ...) -> None: ...
+
+class CheckpointWritten(_message.Message):
+    __slots__ = ("shard_id", "step")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    step: int
+    def __init__(self, shard_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class InitialParametersRequest(_message.Message):
     __slots__ = ("shard_id",)
@@ -379,12 +401,14 @@ class StepReport(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("role", "id")
+    __slots__ = ("role", "id", "rss_bytes")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: str
     id: int
-    def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
+    rss_bytes: int
+    def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
     __slots__ = ("stop", "state", "reason")
@@ -441,7 +465,7 @@ class MemberStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message", "metrics_address", "global_lr", "worker_device_memory_bytes", "worker_host_memory_bytes")
+    __slots__ = ("job_id", "state", "step", "steps", "per_device_batch", "global_batch", "lr", "members", "data_shards_todo", "data_shards_doing", "data_shards_done", "message", "metrics_address", "global_lr", "worker_device_memory_bytes", "worker_host_memory_bytes", "checkpoint_step", "skipped_steps", "ps_memory_forecast_bytes", "ps_memory_trend")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -458,6 +482,10 @@ class JobStatus(_message.Message):
     GLOBAL_LR_FIELD_NUMBER: _ClassVar[int]
     WORKER_DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKER_HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PS_MEMORY_FORECAST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PS_MEMORY_TREND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     step: int
@@ -474,7 +502,11 @@ class JobStatus(_message.Message):
     global_lr: float
     worker_device_memory_bytes: int
     worker_host_memory_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ..., metrics_address: _Optional[str] = ..., global_lr: _Optional[float] = ..., worker_device_memory_bytes: _Optional[int] = ..., worker_host_memory_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint_step: int
+    skipped_steps: int
+    ps_memory_forecast_bytes: int
+    ps_memory_trend: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ..., metrics_address: _Optional[str] = ..., global_lr: _Optional[float] = ..., worker_device_memory_bytes: _Optional[int] = ..., worker_host_memory_bytes: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., ps_memory_forecast_bytes: _Optional[int] = ..., ps_memory_trend: _Optional[str] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

@@ -207,6 +207,11 @@ class CoordinatorStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PsReadyRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ReportCheckpoint = channel.unary_unary(
+                '/pstrain.v1.Coordinator/ReportCheckpoint',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.CheckpointWritten.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/pstrain.v1.Coordinator/RegisterWorker',
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.RegisterWorkerRequest.SerializeToString,
@@ -275,6 +280,12 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ParameterServerReady(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCheckpoint(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -356,6 +367,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ParameterServerReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ParameterServerReady,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PsReadyRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
+            ),
+            'ReportCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCheckpoint,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.CheckpointWritten.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
@@ -489,6 +505,33 @@ class Coordinator:
             target,
             '/pstrain.v1.Coordinator/ParameterServerReady',
             pstrain_dot_protos_dot_pstrain__pb2.PsReadyRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.Coordinator/ReportCheckpoint',
+            pstrain_dot_protos_dot_pstrain__pb2.CheckpointWritten.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -13,19 +13,31 @@ leaves the shard exactly as it was.
     push(same worker, same step) -> duplicate: acknowledged, not counted again (retry-safe)
     push(step < v, not a retry)  -> StepConflict (stale)
     push(step > v)               -> StepConflict (ahead: the worker skipped a pull)
+    push(non-finite gradient)    -> InvalidArgument: a NaN never reaches the parameters
+    push(skip=True)              -> counted without a payload; the step completes without an update
+
+Determinism: contributions are summed in worker order whatever order they arrive in (an early
+one from a higher worker id waits in a side buffer), so a step's result does not depend on
+timing and a resumed run equals an uninterrupted one bit for bit.
+
+Pulls are served from the published copy of the parameters, which an update never writes
+(it publishes a new one), so a slow reader never holds up a step and the checkpoint snapshot
+of the parameters costs nothing extra.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
+from pstrain.ps_server.checkpoint import ShardState
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.optimizer import build_optimizer
 from pstrain.runtime.schedule import learning_rate
@@ -37,6 +49,7 @@ class PushResult:
     duplicate: bool
     completed: bool
     update_s: float = 0.0  # optimizer time, when this push completed the step
+    skipped: bool = False  # the step completed without an update (a worker asked to skip it)
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,19 @@ class ShardSnapshot:
     workers_expected: int
     bytes_held: int
     optimizer: str
+    skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When the shard snapshots itself: every ``every_steps`` versions and at ``final_version``."""
+
+    every_steps: int
+    final_version: int
+    on_snapshot: Callable[[ShardState], None]  # called outside the lock; may block (backpressure)
+
+    def due(self, version: int) -> bool:
+        return self.every_steps > 0 and (version % self.every_steps == 0 or version == self.final_version)
 
 
 class ParameterShard:
@@ -64,6 +90,8 @@ class ParameterShard:
         schedule: pb.LrSchedule,
         workers: int,
         version: int = 0,
+        optimizer_state: dict[str, Any] | None = None,
+        checkpoints: CheckpointPolicy | None = None,
     ) -> None:
         if initial.dtype != torch.float32 or initial.dim() != 1 or initial.numel() != end - start:
             raise InvalidArgument(
@@ -78,16 +106,46 @@ class ParameterShard:
         self.workers = workers
         self._schedule = schedule
         self._param = torch.nn.Parameter(initial.clone(), requires_grad=True)
+        self._published = self._param.detach().clone()  # what pulls read; never written after publishing
         self._accum = torch.zeros_like(initial)
         self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version))
+        if optimizer_state is not None:
+            self._optimizer.load_state_dict(optimizer_state)
         self._optimizer_name = optimizer.name
+        self._checkpoints = checkpoints
         self._version = version
         self._pending: dict[int, int] = {}  # worker -> device count, for the current step
+        self._held: dict[int, torch.Tensor] = {}  # contributions that arrived before a lower worker's
+        self._summed = 0  # workers 0.._summed-1 are in the accumulator (or skipped)
+        self._has_sum = False  # the accumulator holds this step's first contribution already
+        self._skip_step = False
+        self._skipped_steps = 0
         self._last_step: dict[int, int] = {}  # worker -> last step it contributed to
         self._cond = threading.Condition()
-        self._readers = 0
-        self._updating = False
         self._closed = False
+
+    @classmethod
+    def restore(
+        cls,
+        state: ShardState,
+        optimizer: pb.OptimizerSpec,
+        schedule: pb.LrSchedule,
+        workers: int,
+        checkpoints: CheckpointPolicy | None = None,
+    ) -> ParameterShard:
+        """A shard continuing from a checkpoint: its range, optimizer state and version."""
+        return cls(
+            state.shard_id,
+            state.start,
+            state.end,
+            state.params,
+            optimizer,
+            schedule,
+            workers,
+            version=state.version,
+            optimizer_state=state.optimizer,
+            checkpoints=checkpoints,
+        )
 
     @property
     def numel(self) -> int:
@@ -123,27 +181,64 @@ class ParameterShard:
             self._check_open()
             return self._classify_step(worker_id, step)
 
-    def push(self, worker_id: int, step: int, grad: torch.Tensor, device_count: int) -> PushResult:
-        """Count one worker's summed gradient for ``step``; the last one applies the update."""
-        duplicate = self.check_push(self.shard_id, worker_id, step, device_count, pb.FLOAT32, grad.numel())
-        if grad.dtype != torch.float32 or grad.dim() != 1:
-            raise InvalidArgument(f"gradient must be a 1-D float32 tensor, got {grad.dtype} {tuple(grad.shape)}")
+    def push(
+        self, worker_id: int, step: int, grad: torch.Tensor | None, device_count: int, skip: bool = False
+    ) -> PushResult:
+        """Count one worker's summed gradient for ``step``; the last one applies the update.
+
+        ``skip`` (no ``grad``): the worker saw a non-finite loss or gradient; the step then
+        completes without an update, on every shard alike.
+        """
+        numel = self.numel if grad is None else grad.numel()
+        duplicate = self.check_push(self.shard_id, worker_id, step, device_count, pb.FLOAT32, numel)
+        if grad is None and not skip:
+            raise InvalidArgument("a push carries a gradient unless it skips the step")
+        if grad is not None:
+            if grad.dtype != torch.float32 or grad.dim() != 1:
+                raise InvalidArgument(f"gradient must be a 1-D float32 tensor, got {grad.dtype} {tuple(grad.shape)}")
+            if not duplicate and not torch.isfinite(grad.sum()):
+                raise InvalidArgument(
+                    f"worker {worker_id}'s gradient for step {step} has NaN or Inf values; a worker skips such a "
+                    f"step (fault.on_nonfinite) instead of pushing it"
+                )
+        snapshot: ShardState | None = None
         with self._cond:
             self._check_open()
             # Re-check under the lock: the shard may have moved on while the payload streamed.
             if duplicate or self._classify_step(worker_id, step):
                 return PushResult(self._version, duplicate=True, completed=False)
-            if self._pending:
-                self._accum.add_(grad)
-            else:
-                self._accum.copy_(grad)  # the first contribution of a step: no separate zeroing pass
             self._pending[worker_id] = device_count
             self._last_step[worker_id] = step
+            if skip or grad is None:
+                self._skip_step = True
+                self._held[worker_id] = self._accum[:0]  # an empty placeholder: nothing to add
+            else:
+                self._held[worker_id] = grad if worker_id == self._summed else grad.clone()
+            self._sum_in_order()
             if len(self._pending) < self.workers:
                 return PushResult(self._version, duplicate=False, completed=False)
             started = time.perf_counter()
-            self._apply_update()
-            return PushResult(self._version, duplicate=False, completed=True, update_s=time.perf_counter() - started)
+            skipped = self._apply_update()
+            update_s = time.perf_counter() - started
+            if self._checkpoints is not None and self._checkpoints.due(self._version):
+                snapshot = self._checkpoint_state()
+            result = PushResult(self._version, False, True, update_s=update_s, skipped=skipped)
+        if snapshot is not None:
+            assert self._checkpoints is not None
+            self._checkpoints.on_snapshot(snapshot)
+        return result
+
+    def _sum_in_order(self) -> None:
+        """Add held contributions to the accumulator in worker order, as far as there is no gap."""
+        while self._summed in self._held:
+            grad = self._held.pop(self._summed)
+            if grad.numel():
+                if not self._has_sum:
+                    self._accum.copy_(grad)  # the first contribution of a step: no separate zeroing pass
+                else:
+                    self._accum.add_(grad)
+                self._has_sum = True
+            self._summed += 1
 
     def _classify_step(self, worker_id: int, step: int) -> bool:
         if self._last_step.get(worker_id) == step:
@@ -160,38 +255,41 @@ class ParameterShard:
             )
         return False
 
-    def _apply_update(self) -> None:
-        """Called with the lock held once every worker has contributed."""
-        self._updating = True
-        try:
-            while self._readers:
-                self._cond.wait()
+    def _apply_update(self) -> bool:
+        """Called with the lock held once every worker has contributed; True if the step was skipped."""
+        skipped = self._skip_step
+        if skipped:
+            self._skipped_steps += 1
+        else:
             devices = sum(self._pending.values())
             self._param.grad = self._accum.div_(devices)
             for group in self._optimizer.param_groups:
                 group["lr"] = learning_rate(self._schedule, self._version)
             self._optimizer.step()
             self._param.grad = None
-            self._pending.clear()
-            self._version += 1
-        finally:
-            self._updating = False
-            self._cond.notify_all()
+            self._published = self._param.detach().clone()
+        self._pending.clear()
+        self._summed = 0
+        self._has_sum = False
+        self._skip_step = False
+        self._version += 1
+        self._cond.notify_all()
+        return skipped
 
     # ------------------------------------------------------------------ pull
 
     @contextmanager
     def read(self, min_version: int, timeout_s: float) -> Iterator[tuple[int, torch.Tensor]]:
-        """Wait for ``min_version``, then lend the parameters while the caller streams them.
+        """Wait for ``min_version``, then lend the published parameters while the caller streams them.
 
-        The update waits for readers to finish, so a reader never sees half an update and no
-        copy of the parameters is needed.
+        The published tensor is never written again (an update publishes a new one), so the
+        caller holds no lock and a stalled reader never delays a step.
         """
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 self._check_open()
-                if self._version >= min_version and not self._updating:
+                if self._version >= min_version:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -200,19 +298,30 @@ class ParameterShard:
                         f"appear within {timeout_s:.1f}s (are all {self.workers} workers pushing?)"
                     )
                 self._cond.wait(remaining)
-            self._readers += 1
-            version = self._version
-        try:
-            yield version, self._param.detach()
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+            version, published = self._version, self._published
+        yield version, published
 
     def parameters(self) -> tuple[int, torch.Tensor]:
         """A copy of the current parameters and their version (for tests and checkpoints)."""
         with self._cond:
-            return self._version, self._param.detach().clone()
+            return self._version, self._published.clone()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> ShardState:
+        """A consistent snapshot of the shard at its current version (parameters + optimizer state)."""
+        with self._cond:
+            return self._checkpoint_state()
+
+    def _checkpoint_state(self) -> ShardState:
+        """Called with the lock held: the published parameters are shared, the optimizer state copied."""
+        optimizer = self._optimizer.state_dict()
+        state = {
+            index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for index, entry in optimizer["state"].items()
+        }
+        copied = {"state": state, "param_groups": [dict(g) for g in optimizer["param_groups"]]}
+        return ShardState(self.shard_id, self.start, self.end, self._version, self._published, copied)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -234,7 +343,7 @@ class ParameterShard:
                 for t in state.values()
                 if isinstance(t, torch.Tensor)
             )
-            held = (self._param.numel() + self._accum.numel()) * 4 + state_bytes
+            held = (self._param.numel() + self._published.numel() + self._accum.numel()) * 4 + state_bytes
             return ShardSnapshot(
                 self.shard_id,
                 self.start,
@@ -244,4 +353,5 @@ class ParameterShard:
                 self.workers,
                 held,
                 self._optimizer_name,
+                self._skipped_steps,
             )

@@ -137,7 +137,7 @@ def test_status_and_health(cluster):
     with open_channel(addresses[1]) as channel:
         status = pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(), timeout=5)
         assert (status.shard_id, status.start, status.end, status.version) == (1, 6, 11, 0)
-        assert status.workers_expected == 2 and status.bytes_held == 5 * 4 * 2
+        assert status.workers_expected == 2 and status.bytes_held == 5 * 4 * 3
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service="pstrain.v1.ParameterServer"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -185,21 +185,76 @@ def test_pull_waits_for_the_version_and_times_out_otherwise():
     assert got and got[0][0] == 1 and torch.equal(got[0][1], shard.parameters()[1])
 
 
-def test_update_waits_for_readers_of_the_previous_version():
+def test_a_reader_never_holds_up_the_update_and_keeps_its_version():
+    """Pulls read the published copy: the update runs under an open read and publishes anew."""
     shard = make(workers=1)
-    cond = watch(shard)
-    results = []
-    pusher = threading.Thread(target=lambda: results.append(shard.push(0, 0, torch.ones(5), 1)), name="pusher")
     with shard.read(0, 1) as (version, params):
         seen = params.clone()
-        pusher.start()
-        cond.wait_until_blocked(pusher)  # the last push of the step waits for this reader
-        assert pusher.is_alive(), "the update must not run under a reader"
-        assert shard.version == 0 and shard.snapshot().pushes_waiting == 1 and not results
-        assert torch.equal(params, seen) and version == 0
-    pusher.join(30)
-    assert not pusher.is_alive() and results[0].completed
-    assert shard.version == 1 and not torch.equal(shard.parameters()[1], seen)
+        result = shard.push(0, 0, torch.ones(5), 1)  # completes at once, a reader or not
+        assert result.completed and shard.version == 1
+        assert version == 0 and torch.equal(params, seen)  # the reader's view is untouched
+    assert not torch.equal(shard.parameters()[1], seen)
+    with shard.read(1, 1) as (version, params):
+        assert version == 1 and torch.equal(params, shard.parameters()[1])
+
+
+def test_non_finite_gradient_is_refused_and_changes_nothing():
+    shard = make()
+    shard.push(1, 0, torch.ones(5), 1)
+    before = state(shard)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        grad = torch.ones(5)
+        grad[2] = bad
+        with pytest.raises(InvalidArgument, match="NaN or Inf"):
+            shard.push(0, 0, grad, 1)
+        assert_same_state(before, state(shard))
+
+
+def test_a_skipped_step_completes_without_an_update_on_every_shard():
+    shard = make()
+    before = shard.parameters()[1]
+    assert not shard.push(0, 0, torch.ones(5), 1).completed
+    result = shard.push(1, 0, None, 1, skip=True)
+    assert result.completed and result.skipped and shard.version == 1
+    assert torch.equal(shard.parameters()[1], before) and shard.snapshot().skipped_steps == 1
+    shard.push(0, 1, torch.ones(5), 1)
+    assert shard.push(1, 1, torch.ones(5), 1).completed  # the next step updates again
+    assert not torch.equal(shard.parameters()[1], before) and shard.snapshot().skipped_steps == 1
+    with pytest.raises(InvalidArgument, match="unless it skips"):
+        shard.push(0, 2, None, 1)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0), (2, 1, 0)])
+def test_contributions_are_summed_in_worker_order_whatever_the_arrival(order):
+    """Float addition is not associative: in-order summing makes the result independent of timing."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(5, generator=gen) * 10 ** (3 * w) for w in range(3)]
+    reference = make(workers=3)
+    for worker in (0, 1, 2):
+        reference.push(worker, 0, grads[worker], 1)
+    shard = make(workers=3)
+    for worker in order:
+        shard.push(worker, 0, grads[worker].clone(), 1)
+    assert torch.equal(shard.parameters()[1], reference.parameters()[1])
+
+
+def test_a_restored_shard_continues_exactly_like_the_original():
+    snapshots = []
+    from pstrain.ps_server.shard import CheckpointPolicy
+
+    policy = CheckpointPolicy(every_steps=2, final_version=5, on_snapshot=snapshots.append)
+    original = ParameterShard(1, 10, 15, torch.arange(5, dtype=torch.float32), ADAM, LR, 1, checkpoints=policy)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(5, generator=gen) for _ in range(5)]
+    for step in range(5):
+        original.push(0, step, grads[step], 1)
+    assert [s.version for s in snapshots] == [2, 4, 5]
+    restored = ParameterShard.restore(snapshots[0], ADAM, LR, 1)
+    assert restored.version == 2
+    for step in range(2, 5):
+        restored.push(0, step, grads[step], 1)
+    assert torch.equal(restored.parameters()[1], original.parameters()[1])
+    assert torch.equal(snapshots[-1].params, original.parameters()[1])
 
 
 def test_close_wakes_waiting_pulls():
@@ -233,7 +288,7 @@ def test_constructor_validates():
 
 def test_snapshot_counts_parameters_and_optimizer_state():
     shard = make(ADAM, workers=1)
-    assert shard.snapshot().bytes_held == 5 * 4 * 2
+    assert shard.snapshot().bytes_held == 5 * 4 * 3  # parameters, their published copy, accumulator
     shard.push(0, 0, torch.ones(5), 1)
     snap = shard.snapshot()
-    assert snap.version == 1 and snap.bytes_held >= 5 * 4 * 4 and snap.optimizer == "adam"
+    assert snap.version == 1 and snap.bytes_held >= 5 * 4 * 5 and snap.optimizer == "adam"

@@ -1,0 +1,131 @@
+"""Committed checkpoints: the coordinator's manifest over the shards' checkpoint files.
+
+Each PS shard writes its own file for step ``t`` on its own host and confirms it. Only when
+every shard has confirmed ``t`` does the coordinator write ``manifest-<t>.json`` (atomically):
+that file *is* the commit. A checkpoint without a manifest is ignored, so a shard killed
+mid-write, or a coordinator killed before committing, leaves the previous committed checkpoint
+as the resume point. The last ``keep`` manifests are kept.
+
+A manifest names the job file it belongs to (``job_hash``); resuming a different job file
+from it is refused, never silently mixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pstrain.runtime.atomic_io import atomic_write
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MANIFEST = re.compile(r"^manifest-(\d+)\.json$")
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint directory holds checkpoints of a different job file or cluster shape."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed checkpoint: the step every shard has durably written, and what it belongs to."""
+
+    step: int
+    job_hash: str
+    ps_shards: int
+    total_params: int
+    workers: int
+    per_worker_batch: int
+    committed_unix_s: float
+    format: int = FORMAT_VERSION
+
+
+def job_hash(config: dict[str, Any]) -> str:
+    """A stable digest of the job file's content, without the keys a resume may change.
+
+    ``job.steps`` may grow (train longer), and the security and eval sections do not change
+    what is trained.
+    """
+    trimmed = {k: v for k, v in config.items() if k not in ("security", "eval")}
+    trimmed["job"] = {k: v for k, v in trimmed.get("job", {}).items() if k != "steps"}
+    canonical = json.dumps(trimmed, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def manifest_path(directory: Path, step: int) -> Path:
+    return directory / f"manifest-{step:09d}.json"
+
+
+def committed_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _MANIFEST.match(p.name)))
+
+
+def read_manifest(directory: Path, step: int) -> Manifest:
+    data = json.loads(manifest_path(directory, step).read_text())
+    return Manifest(**data)
+
+
+def newest_manifest(directory: Path, expected_hash: str) -> Manifest | None:
+    """The newest committed checkpoint of this job file, None if there is none.
+
+    Raises ``CheckpointMismatch`` when the newest one belongs to another job file.
+    """
+    steps = committed_steps(directory)
+    if not steps:
+        return None
+    manifest = read_manifest(directory, steps[-1])
+    if manifest.job_hash != expected_hash:
+        raise CheckpointMismatch(
+            f"{directory} holds checkpoints of another job file (hash {manifest.job_hash}, this one "
+            f"{expected_hash}); use another output directory, or --fresh to discard them"
+        )
+    return manifest
+
+
+class CheckpointLedger:
+    """Collects the shards' confirmations and commits a step once all have confirmed it."""
+
+    def __init__(self, directory: Path, template: Manifest, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"checkpoint.keep must be at least 1, got {keep}")
+        self.directory = directory
+        self._template = template
+        self._keep = keep
+        self._confirmed: dict[int, set[int]] = {}  # step -> shards that wrote it
+        self._lock = threading.Lock()
+        steps = committed_steps(directory)
+        self.last_committed = steps[-1] if steps else -1
+
+    def confirm(self, shard_id: int, step: int) -> Manifest | None:
+        """Record that ``shard_id`` has written ``step``; returns the manifest if this commits it."""
+        if not 0 <= shard_id < self._template.ps_shards:
+            raise ValueError(f"shard id {shard_id} out of range 0..{self._template.ps_shards - 1}")
+        with self._lock:
+            if step <= self.last_committed:
+                return None  # a repeated confirmation after a coordinator restart
+            shards = self._confirmed.setdefault(step, set())
+            shards.add(shard_id)
+            if len(shards) < self._template.ps_shards:
+                return None
+            manifest = Manifest(**{**asdict(self._template), "step": step, "committed_unix_s": time.time()})
+            atomic_write(
+                manifest_path(self.directory, step),
+                lambda fh: fh.write(json.dumps(asdict(manifest), indent=1).encode()),
+            )
+            self.last_committed = step
+            for older in [s for s in self._confirmed if s <= step]:
+                del self._confirmed[older]
+            for old in committed_steps(self.directory)[: -self._keep]:
+                manifest_path(self.directory, old).unlink(missing_ok=True)
+            log.info("checkpoint of step %d committed (%d shards)", step, self._template.ps_shards)
+            return manifest

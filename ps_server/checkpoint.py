@@ -1,0 +1,173 @@
+"""A shard's checkpoints: a host-memory snapshot taken under the shard's lock, written behind.
+
+Training blocks only for the snapshot (a memcpy of the range and the optimizer state); a
+background thread writes it with ``atomic_write`` (temp file, fsync, rename), so a process
+killed mid-write leaves the previous file intact and never half of a new one. Once the file
+is durable the writer calls ``on_written(step)``: the PS process tells the coordinator, which
+commits checkpoint ``step`` only after every shard has confirmed it.
+
+Snapshots are written in order and never skipped: if the disk is slower than the checkpoint
+frequency, the next ``submit`` waits (training slows) rather than leaving a step some shard
+never wrote. Each shard keeps its ``keep + 1`` newest files: a committed checkpoint is one
+every shard wrote, so the last ``keep`` committed ones are always among them.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pstrain.runtime.atomic_io import atomic_write
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_FILE = re.compile(r"^step-(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that is missing, unreadable or belongs to another shard."""
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """Everything a shard needs to continue from ``version``: its range and optimizer state."""
+
+    shard_id: int
+    start: int
+    end: int
+    version: int
+    params: torch.Tensor
+    optimizer: dict[str, Any]  # torch.optim state_dict, tensors cloned
+
+
+def shard_dir(directory: Path, shard_id: int) -> Path:
+    return directory / f"shard-{shard_id}"
+
+
+def shard_file(directory: Path, shard_id: int, step: int) -> Path:
+    return shard_dir(directory, shard_id) / f"step-{step:09d}.pt"
+
+
+def written_steps(directory: Path, shard_id: int) -> list[int]:
+    """Steps this shard has a complete file for, oldest first (temp files are ignored)."""
+    folder = shard_dir(directory, shard_id)
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _FILE.match(p.name)))
+
+
+def save_state(directory: Path, state: ShardState) -> Path:
+    path = shard_file(directory, state.shard_id, state.version)
+    payload = {
+        "format": FORMAT_VERSION,
+        "shard_id": state.shard_id,
+        "start": state.start,
+        "end": state.end,
+        "version": state.version,
+        "params": state.params,
+        "optimizer": state.optimizer,
+    }
+    atomic_write(path, lambda fh: torch.save(payload, fh))
+    return path
+
+
+def load_state(directory: Path, shard_id: int, start: int, end: int, step: int) -> ShardState:
+    """Read this shard's checkpoint of ``step``; refuse one of another shard, range or format."""
+    path = shard_file(directory, shard_id, step)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"shard {shard_id} has no checkpoint of step {step} at {path}; is checkpoint.dir the same "
+            f"directory on this host as when the checkpoint was written?"
+        ) from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    expected = (FORMAT_VERSION, shard_id, start, end, step)
+    found = tuple(payload.get(k) for k in ("format", "shard_id", "start", "end", "version"))
+    if found != expected:
+        raise CheckpointError(
+            f"{path} holds (format, shard, start, end, step) = {found}, expected {expected}; "
+            f"the job's model or shard count changed since it was written"
+        )
+    params = payload["params"]
+    if not isinstance(params, torch.Tensor) or params.dtype != torch.float32 or params.numel() != end - start:
+        raise CheckpointError(f"{path}: parameters do not cover [{start}, {end}) as float32")
+    return ShardState(shard_id, start, end, step, params, payload["optimizer"])
+
+
+@dataclass(frozen=True)
+class WriteRecord:
+    step: int
+    write_s: float  # background time to write and fsync the snapshot
+
+
+class CheckpointWriter:
+    """One background thread per shard that writes snapshots in order and confirms each."""
+
+    def __init__(
+        self,
+        directory: Path,
+        shard_id: int,
+        keep: int,
+        on_written: Callable[[int], None],
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.directory = directory
+        self.shard_id = shard_id
+        self.keep = keep
+        self._on_written = on_written
+        self._queue: queue.Queue[ShardState | None] = queue.Queue(maxsize=1)
+        self.records: list[WriteRecord] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-{shard_id}", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: ShardState) -> None:
+        """Hand a snapshot over; waits while the previous one is still queued (backpressure)."""
+        if self.error is not None:
+            raise CheckpointError(f"shard {self.shard_id}: the last checkpoint write failed: {self.error}")
+        self._queue.put(state)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the queued writes (a clean stop keeps its last checkpoint), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            state = item
+            started = time.perf_counter()
+            try:
+                save_state(self.directory, state)
+                self._prune()
+            except BaseException as exc:  # noqa: BLE001 - surfaced on the next submit and in the log
+                log.exception("shard %d: writing checkpoint of step %d failed", self.shard_id, state.version)
+                self.error = exc
+                continue
+            write_s = time.perf_counter() - started
+            self.records.append(WriteRecord(state.version, write_s))
+            log.info("shard %d: checkpoint of step %d written in %.3fs", self.shard_id, state.version, write_s)
+            try:
+                self._on_written(state.version)
+            except Exception as exc:  # noqa: BLE001 - the coordinator may be restarting; it is told again
+                log.warning("shard %d: could not confirm checkpoint %d: %s", self.shard_id, state.version, exc)
+
+    def _prune(self) -> None:
+        for step in written_steps(self.directory, self.shard_id)[: -(self.keep + 1)]:
+            shard_file(self.directory, self.shard_id, step).unlink(missing_ok=True)

@@ -1,0 +1,177 @@
+"""Shard checkpoint files and the coordinator's commit: atomic, ordered, pruned, never mixed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from pstrain.coordinator.checkpoints import (
+    CheckpointLedger,
+    CheckpointMismatch,
+    Manifest,
+    committed_steps,
+    job_hash,
+    newest_manifest,
+)
+from pstrain.ps_server.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    ShardState,
+    load_state,
+    save_state,
+    shard_dir,
+    shard_file,
+    written_steps,
+)
+from tests.helpers import REPO_ROOT, wait_for
+
+
+def state(step: int, shard_id: int = 0, numel: int = 10) -> ShardState:
+    params = torch.arange(numel, dtype=torch.float32) + step
+    return ShardState(shard_id, 0, numel, step, params, {"state": {0: {"momentum_buffer": params * 2}}, "x": 1})
+
+
+def test_saved_state_loads_back_exactly(tmp_path):
+    save_state(tmp_path, state(7))
+    loaded = load_state(tmp_path, 0, 0, 10, 7)
+    assert loaded.version == 7 and torch.equal(loaded.params, state(7).params)
+    assert torch.equal(loaded.optimizer["state"][0]["momentum_buffer"], state(7).params * 2)
+
+
+def test_load_refuses_another_shard_range_or_missing_step(tmp_path):
+    save_state(tmp_path, state(3))
+    with pytest.raises(CheckpointError, match="no checkpoint of step 4"):
+        load_state(tmp_path, 0, 0, 10, 4)
+    with pytest.raises(CheckpointError, match="shard or shard count changed|model or shard count changed"):
+        load_state(tmp_path, 0, 0, 11, 3)
+    (shard_file(tmp_path, 0, 5)).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_state(tmp_path, 0, 0, 10, 5)
+
+
+def test_writer_writes_in_order_confirms_and_keeps_the_newest(tmp_path):
+    confirmed: list[int] = []
+    done = threading.Event()
+
+    def on_written(step: int) -> None:
+        confirmed.append(step)
+        if step == 50:
+            done.set()
+
+    writer = CheckpointWriter(tmp_path, 0, keep=2, on_written=on_written)
+    for step in range(10, 60, 10):
+        writer.submit(state(step))
+    assert done.wait(30)
+    writer.close()
+    assert confirmed == [10, 20, 30, 40, 50]
+    assert written_steps(tmp_path, 0) == [30, 40, 50]  # keep + 1
+    assert [r.step for r in writer.records] == confirmed
+
+
+def test_a_failed_write_is_reported_on_the_next_submit(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the checkpoint directory should be")
+    writer = CheckpointWriter(blocker, 0, keep=1, on_written=lambda step: None)
+    writer.submit(state(1))
+    wait_for(lambda: writer.error is not None, 30, "the write to fail")
+    with pytest.raises(CheckpointError, match="last checkpoint write failed"):
+        writer.submit(state(2))
+    writer.close()
+
+
+def test_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL a process while it writes a large checkpoint: the old one loads, no partial file."""
+    save_state(tmp_path, state(1, numel=10))
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from pathlib import Path
+        from pstrain.ps_server.checkpoint import ShardState, save_state
+        big = torch.ones(300_000_000 // 4)
+        while True:
+            save_state(Path({str(tmp_path)!r}), ShardState(0, 0, 10, 2, torch.zeros(10), {{"big": big}}))
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=REPO_ROOT)
+    try:
+        folder = shard_dir(tmp_path, 0)
+        wait_for(lambda: any(p.name.endswith(".tmp") for p in folder.iterdir()), 120, "a checkpoint temp file")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    steps = written_steps(tmp_path, 0)
+    assert 1 in steps
+    assert torch.equal(load_state(tmp_path, 0, 0, 10, 1).params, state(1).params)
+    for step in steps:  # whatever exists under its final name is whole
+        load_state(tmp_path, 0, 0, 10, step)
+
+
+def template(shards: int = 2, digest: str = "abc") -> Manifest:
+    return Manifest(
+        step=-1,
+        job_hash=digest,
+        ps_shards=shards,
+        total_params=10,
+        workers=2,
+        per_worker_batch=8,
+        committed_unix_s=0.0,
+    )
+
+
+def test_ledger_commits_only_when_every_shard_confirmed(tmp_path):
+    ledger = CheckpointLedger(tmp_path, template(shards=3), keep=2)
+    assert ledger.confirm(0, 5) is None and ledger.confirm(2, 5) is None
+    assert committed_steps(tmp_path) == []
+    manifest = ledger.confirm(1, 5)
+    assert manifest is not None and manifest.step == 5 and committed_steps(tmp_path) == [5]
+    assert ledger.confirm(1, 5) is None  # repeated after the commit: nothing new
+    for step in (10, 15):
+        for shard in range(3):
+            ledger.confirm(shard, step)
+    assert committed_steps(tmp_path) == [10, 15]  # keep
+    assert newest_manifest(tmp_path, "abc").step == 15  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="out of range"):
+        ledger.confirm(3, 20)
+
+
+def test_newest_manifest_refuses_another_job_file(tmp_path):
+    assert newest_manifest(tmp_path, "abc") is None
+    ledger = CheckpointLedger(tmp_path, template(shards=1), keep=1)
+    ledger.confirm(0, 4)
+    with pytest.raises(CheckpointMismatch, match="another job file"):
+        newest_manifest(tmp_path, "other")
+
+
+def test_job_hash_ignores_steps_security_and_eval_only():
+    base = {"model": {"factory": "m:f"}, "job": {"steps": 10, "seed": 0}, "security": {"token_file": "a"}}
+    assert job_hash(base) == job_hash({**base, "job": {"steps": 99, "seed": 0}, "security": {}, "eval": {"x": 1}})
+    assert job_hash(base) != job_hash({**base, "job": {"steps": 10, "seed": 1}})
+    assert job_hash(base) != job_hash({**base, "model": {"factory": "m:g"}})
+
+
+def test_pruned_shard_files_keep_every_committed_checkpoint(tmp_path: Path):
+    """keep + 1 files per shard: the last ``keep`` committed steps are always on disk."""
+    ledger = CheckpointLedger(tmp_path, template(shards=2), keep=2)
+    writers = [
+        CheckpointWriter(tmp_path, s, keep=2, on_written=lambda step, s=s: ledger.confirm(s, step)) for s in (0, 1)
+    ]
+    for step in (1, 2, 3, 4):
+        for s, writer in enumerate(writers):
+            writer.submit(state(step, shard_id=s))
+    for writer in writers:
+        writer.close()
+    for step in committed_steps(tmp_path):
+        for s in (0, 1):
+            assert load_state(tmp_path, s, 0, 10, step).version == step
