@@ -387,18 +387,20 @@ class CompleteDataShardRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., data_shard_id: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("worker_id", "step", "loss", "samples", "step_s")
+    __slots__ = ("worker_id", "step", "loss", "samples", "step_s", "nonfinite")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     loss: float
     samples: int
     step_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
+    nonfinite: bool
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., step_s: _Optional[float] = ..., nonfinite: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("role", "id", "rss_bytes")

@@ -82,17 +82,26 @@ class LocalPsClient:
 
     def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
         check_push_buffer(flat, self.total)
+        return self._push(flat, worker_id, step, device_count)
+
+    def skip_step(self, worker_id: int, step: int, device_count: int) -> PushHandle:
+        return self._push(None, worker_id, step, device_count)
+
+    def _push(self, flat: torch.Tensor | None, worker_id: int, step: int, device_count: int) -> PushHandle:
         futures: list[Future[ShardAck]] = []
         with self._call():
             for r, shard in zip(self.ranges, self._shards, strict=True):
                 future: Future[ShardAck] = Future()
                 try:
                     with _translated():
-                        result = shard.push(worker_id, step, flat[r.start : r.end], device_count)
+                        piece = None if flat is None else flat[r.start : r.end]
+                        result = shard.push(worker_id, step, piece, device_count, skip=flat is None)
                 except Exception as exc:  # noqa: BLE001 - delivered by wait(), as over gRPC
                     future.set_exception(exc)
                 else:
-                    future.set_result(ShardAck(r.shard_id, result.version, result.duplicate, result.completed))
+                    future.set_result(
+                        ShardAck(r.shard_id, result.version, result.duplicate, result.completed, result.skipped)
+                    )
                 futures.append(future)
         return PushHandle(futures)
 

@@ -79,6 +79,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         h = first.header
         if shard.check_push(h.shard_id, h.worker_id, h.step, h.device_count, h.dtype, h.numel):
             return pb.PushReply(version=shard.version, duplicate=True)
+        if h.skip:
+            if next(request_iterator, None) is not None:
+                raise InvalidArgument("a push that skips its step carries no payload")
+            result = shard.push(h.worker_id, h.step, None, h.device_count, skip=True)
+            return pb.PushReply(version=result.version, completed=result.completed, skipped=result.skipped)
         assert self._pool is not None
         buf = self._pool.acquire()
         try:
@@ -94,7 +99,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
         if result.completed:
             metrics.UPDATE_SECONDS.observe(result.update_s)
-        return pb.PushReply(version=result.version, duplicate=result.duplicate, completed=result.completed)
+        return pb.PushReply(
+            version=result.version, duplicate=result.duplicate, completed=result.completed, skipped=result.skipped
+        )
 
     @translate
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullReply]:

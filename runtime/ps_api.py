@@ -72,6 +72,7 @@ class ShardAck:
     version: int  # the shard's version after this push
     duplicate: bool  # already counted for this (worker, step): acknowledged, not counted again
     completed: bool  # this push was the last of its step and the shard applied the update
+    skipped: bool = False  # the step completed without an update (some worker skipped it)
 
 
 @dataclass
@@ -115,6 +116,12 @@ class ParameterServerClient(Protocol):
         for a wrong buffer; shard errors (``StepConflict``, ``UnknownWorker``, ...) come from
         ``wait``. Repeating a push for the same (worker, step) is acknowledged as a duplicate
         and not counted twice.
+        """
+        ...
+
+    def skip_step(self, worker_id: int, step: int, device_count: int) -> PushHandle:
+        """Contribute to ``step`` without a gradient: the step completes on every shard without an
+        update (``fault.on_nonfinite: skip``). Same sync rules as ``push``: one per (worker, step).
         """
         ...
 

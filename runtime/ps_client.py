@@ -84,6 +84,9 @@ class PsClient:
             [self._submit(self._push_one, r, flat[r.start : r.end], worker_id, step, device_count) for r in self.ranges]
         )
 
+    def skip_step(self, worker_id: int, step: int, device_count: int) -> PushHandle:
+        return PushHandle([self._submit(self._push_one, r, None, worker_id, step, device_count) for r in self.ranges])
+
     def pull(self, min_version: int, out: torch.Tensor) -> int:
         """Fill ``out`` with every shard's parameters at ``min_version`` or newer; return the version."""
         check_pull_buffer(out, self.total)
@@ -124,7 +127,10 @@ class PsClient:
             # "Cannot invoke RPC on closed channel!": the call started after close(cancel=True)
             raise Cancelled("the parameter-server client was closed") from exc
 
-    def _push_one(self, r: ShardRange, piece: torch.Tensor, worker_id: int, step: int, device_count: int) -> ShardAck:
+    def _push_one(
+        self, r: ShardRange, piece: torch.Tensor | None, worker_id: int, step: int, device_count: int
+    ) -> ShardAck:
+        """Stream one shard its piece; ``None`` sends a header-only push that skips the step."""
         header = pb.PushHeader(
             shard_id=r.shard_id,
             worker_id=worker_id,
@@ -132,15 +138,18 @@ class PsClient:
             device_count=device_count,
             dtype=pb.FLOAT32,
             numel=r.numel,
+            skip=piece is None,
         )
 
         def requests() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(header=header)
+            if piece is None:
+                return
             for chunk in encode_chunks(piece, self._chunk_bytes):
                 yield pb.PushRequest(chunk=chunk)
 
         reply = self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s)
-        return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed)
+        return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
     def _pull_one(self, r: ShardRange, min_version: int, dest: torch.Tensor) -> int:
         assembler = TensorAssembler(torch.float32, r.numel, out=dest)

@@ -131,6 +131,21 @@ def test_a_repeated_push_is_acknowledged_once(cluster: Cluster) -> None:
     torch.testing.assert_close(out, cluster.initial - 0.5 * (g0 + g1) / 2)
 
 
+def test_a_skipped_step_completes_everywhere_without_an_update(cluster: Cluster) -> None:
+    client = cluster.connect()
+    client.push(torch.full((TOTAL,), 2.0), 0, 0, 1).wait()
+    acks = client.skip_step(1, 0, 1).wait()
+    assert acks == [ShardAck(i, 1, duplicate=False, completed=True, skipped=True) for i in range(SHARDS)]
+    assert client.skip_step(1, 0, 1).wait()[0].duplicate  # repeated: acknowledged once
+    out = torch.empty(TOTAL)
+    assert client.pull(1, out) == 1 and torch.equal(out, cluster.initial)
+    nan = torch.full((TOTAL,), float("nan"))
+    with pytest.raises(InvalidRequest, match="NaN or Inf"):
+        for ack in client.push(nan, 0, 1, 1).wait():
+            raise AssertionError(f"a non-finite push was accepted: {ack}")
+    assert all(s.version == 1 and s.snapshot().pushes_waiting == 0 for s in cluster.shards)
+
+
 def test_stale_and_ahead_pushes_are_step_conflicts(cluster: Cluster) -> None:
     client = cluster.connect()
     with pytest.raises(StepConflict, match="ahead"):
