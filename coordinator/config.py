@@ -8,6 +8,7 @@ fields are ``Literal`` types: the schema lists the allowed values when a job fil
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pstrain.runtime.units import parse_bytes
 LrScaling = Literal["linear", "sqrt", "none", "auto"]
 MemoryPolicy = Literal["auto", "keep", "swap"]
 EstimateName = Literal["factor", "increment", "iterative"]
+NonFinitePolicy = Literal["stop", "skip"]
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -240,6 +242,40 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 50
+    """Every PS shard snapshots its range and optimizer state every this many steps and at the end; 0: off."""
+    dir: str | None = None
+    """Where PS hosts write their shards' files and the coordinator its manifests (the same path on every
+    host); default: ``<out>/checkpoints``."""
+    keep: int = 2
+    """Committed checkpoints kept."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 0, "checkpoint.every_steps", f"must be non-negative, got {self.every_steps}")
+        _require(self.keep >= 1, "checkpoint.keep", f"must be at least 1, got {self.keep}")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    on_nonfinite: NonFinitePolicy = "stop"
+    """A NaN/Inf loss or gradient: ``stop`` fails the job naming the step and worker; ``skip`` skips the step."""
+    max_restarts: int = 3
+    """``pstrain local``: how often a cluster whose process died is restarted from the last checkpoint."""
+    restart_backoff_s: float = 1.0
+    """``pstrain local``: wait before the first restart; doubles with each one."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "fault")
+        _require(self.max_restarts >= 0, "fault.max_restarts", f"must be non-negative, got {self.max_restarts}")
+        _require(
+            0 <= self.restart_backoff_s <= 600 and math.isfinite(self.restart_backoff_s),
+            "fault.restart_backoff_s",
+            f"must be in [0, 600], got {self.restart_backoff_s}",
+        )
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     """Paths ``pstrain local`` passes to every process it starts (standalone services take flags)."""
 
@@ -288,6 +324,8 @@ class JobConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def with_steps(self, steps: int) -> JobConfig:

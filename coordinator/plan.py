@@ -89,9 +89,18 @@ def make_plan(cfg: JobConfig, per_device: int | None = None) -> Plan:
 
 
 def job_spec(
-    cfg: JobConfig, plan: Plan, layout: ParamLayout, job_id: str, layer_policies: dict[str, str] | None = None
+    cfg: JobConfig,
+    plan: Plan,
+    layout: ParamLayout,
+    job_id: str,
+    layer_policies: dict[str, str] | None = None,
+    checkpoint_dir: str = "",
 ) -> pb.JobSpec:
-    """Everything PS shards and workers need, in wire form: they never read the job file."""
+    """Everything PS shards and workers need, in wire form: they never read the job file.
+
+    ``checkpoint_dir`` is where the shards write (empty: no checkpoints); the coordinator
+    resolves it from ``checkpoint.dir`` or its output directory.
+    """
     opt = cfg.optimizer
     return pb.JobSpec(
         job_id=job_id,
@@ -129,4 +138,8 @@ def job_spec(
         layer_policies=layer_policies or {},
         prefetch=cfg.memory.prefetch,
         pinned_limit_bytes=parse_bytes(cfg.memory.pinned_limit),
+        checkpoint_every_steps=cfg.checkpoint.every_steps if checkpoint_dir else 0,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_keep=cfg.checkpoint.keep,
+        on_nonfinite=cfg.fault.on_nonfinite,
     )
