@@ -8,8 +8,14 @@ back. Throughput = 2 x model bytes / step time. In the same run the script measu
 * gloo: ``torch.distributed.all_reduce`` of the same tensor between 2 processes (what users
   would otherwise pick; its "throughput" uses the same 2 x bytes / time definition).
 
-PS shards run in their own processes, as in production. Results go to
-``bench/results/pushpull.md``.
+PS shards run in their own processes, as in production (an asyncio gRPC server with the
+data plane's byte-level serializers). Results go to ``bench/results/pushpull.md``.
+
+Copies per direction (``--copies``, on when gdb is installed): the script runs itself under
+gdb for one push, one pull of an already-encoded version and one first pull of a new version
+of a 4 MiB shard (client and server in one process), counts the bytes every libc
+memcpy/memmove of 4 KiB or more moves, and divides by the payload: user-space copies of each
+payload byte, gRPC's own included (see ``protos/codec.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ import datetime
 import multiprocessing as mp
 import os
 import platform
+import shutil
+import signal
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,8 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pstrain.protos import pstrain_pb2 as pb  # noqa: E402
-from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
-from pstrain.ps_server.service import ParameterServerServicer  # noqa: E402
+from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server  # noqa: E402
 from pstrain.ps_server.shard import ParameterShard  # noqa: E402
 from pstrain.runtime.ps_client import PsClient  # noqa: E402
 from pstrain.runtime.shard_map import shard_ranges  # noqa: E402
@@ -46,9 +55,7 @@ def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, conn) 
     torch.set_num_threads(1)
     r = shard_ranges(total, shards)[shard_id]
     servicer = ParameterServerServicer()
-    server = start_server(
-        "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
-    )
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
     shard = ParameterShard(
         shard_id, r.start, r.end, torch.zeros(r.numel), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=0.01), 1
     )
@@ -159,6 +166,77 @@ def time_gloo(total: int, rounds: int) -> list[float]:
     return times
 
 
+PROBE_NUMEL = 1 << 20  # 4 MiB of float32 in one chunk
+GDB_COMMANDS = """set pagination off
+set confirm off
+handle SIGTRAP stop nopass
+handle SIGPIPE nostop noprint pass
+run
+break memcpy if $rdx >= 4096
+commands
+silent
+printf "COPY %lu\\n", $rdx
+continue
+end
+break memmove if $rdx >= 4096
+commands
+silent
+printf "COPY %lu\\n", $rdx
+continue
+end
+continue
+delete
+continue
+"""
+PROBE_PHASES = {
+    "push": "push",
+    "pull": "pull (per pull)",
+    "pull-new": "first pull of a version (+ encoding)",
+}
+
+
+def copy_probe(phase: str) -> None:
+    """The inferior: one operation between two SIGTRAPs, at which gdb arms and disarms its breakpoints."""
+    numel = PROBE_NUMEL
+    servicer = ParameterServerServicer()
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
+    shard = ParameterShard(0, 0, numel, torch.zeros(numel), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(), 2)
+    servicer.attach(shard, numel * 4)
+    client = PsClient([f"127.0.0.1:{server.port}"], numel, chunk_bytes=numel * 4)
+    grad, out = torch.ones(numel), torch.empty(numel)
+    client.pull(0, out)  # warm up the channel; version 0 is encoded
+    client.push(grad, 0, 0, 1).wait()  # the step's first contribution
+    if phase == "pull-new":
+        client.push(grad, 1, 0, 1).wait()  # version 1 exists, nobody has pulled it
+    os.kill(os.getpid(), signal.SIGTRAP)
+    if phase == "push":
+        client.push(grad, 1, 0, 1).wait()
+    else:
+        client.pull(1 if phase == "pull-new" else 0, out)
+    os.kill(os.getpid(), signal.SIGTRAP)
+    client.close()
+    server.stop(0)
+
+
+def count_copies(gdb: str) -> dict[str, float]:
+    """Copies of each payload byte per phase, from gdb's log of the probe's big memcpys."""
+    counts = {}
+    with tempfile.NamedTemporaryFile("w", suffix=".gdb") as commands:
+        commands.write(GDB_COMMANDS)
+        commands.flush()
+        for phase in PROBE_PHASES:
+            run = subprocess.run(
+                [gdb, "-q", "-batch", "-x", commands.name, "--args", sys.executable, __file__, "--copy-probe", phase],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            moved = sum(int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("COPY "))
+            counts[phase] = moved / (PROBE_NUMEL * 4)
+            print(f"copies per payload byte, {PROBE_PHASES[phase]:<40} {counts[phase]:.2f}", flush=True)
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", type=int, default=25_000_000)
@@ -166,7 +244,19 @@ def main() -> int:
     parser.add_argument("--chunk-kib", default="256,512,1024,4096", help="chunk sizes to sweep for S=1")
     parser.add_argument("--default-chunk-kib", type=int, default=512)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pushpull.md"))
+    parser.add_argument(
+        "--copies",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count copies with gdb (default: when found)",
+    )
+    parser.add_argument("--copy-probe", choices=list(PROBE_PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.copy_probe:
+        copy_probe(args.copy_probe)
+        return 0
+    gdb = shutil.which("gdb")
+    copies = count_copies(gdb) if gdb and args.copies is not False else {}
 
     nbytes = args.params * 4
     moved = 2 * nbytes
@@ -222,6 +312,17 @@ def main() -> int:
         *[f"| {name} | {ratio:.2f} |" for name, ratio in ratios],
         "",
     ]
+    if copies:
+        lines += [
+            "User-space copies of each payload byte (gdb: bytes moved by libc memcpy/memmove calls of 4 KiB or "
+            "more / payload bytes; one 4 MiB shard, client and server in one process; gRPC's own copies included, "
+            "the kernel's socket copies not):",
+            "",
+            "| operation | copies |",
+            "|---|---:|",
+            *[f"| {PROBE_PHASES[phase]} | {count:.1f} |" for phase, count in copies.items()],
+            "",
+        ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print(f"\nwrote {args.out}")

@@ -106,17 +106,30 @@ class CheckpointLedger:
         steps = committed_steps(directory)
         self.last_committed = steps[-1] if steps else -1
 
-    def confirm(self, shard_id: int, step: int) -> Manifest | None:
-        """Record that ``shard_id`` has written ``step``; returns the manifest if this commits it."""
+    def confirm(self, shard_id: int, step: int) -> None:
+        """Record that ``shard_id`` has durably written ``step``."""
         if not 0 <= shard_id < self._template.ps_shards:
             raise ValueError(f"shard id {shard_id} out of range 0..{self._template.ps_shards - 1}")
         with self._lock:
-            if step <= self.last_committed:
-                return None  # a repeated confirmation after a coordinator restart
-            shards = self._confirmed.setdefault(step, set())
-            shards.add(shard_id)
-            if len(shards) < self._template.ps_shards:
+            if step > self.last_committed:  # else a repeated confirmation after a restart
+                self._confirmed.setdefault(step, set()).add(shard_id)
+
+    def commit(self, completed_steps: int) -> Manifest | None:
+        """Commit the newest step every shard has written and the job has recorded; None if none is new.
+
+        ``completed_steps`` is how many steps the coordinator has recorded: a checkpoint of step
+        ``t`` is only committed once steps ``0..t-1`` are in metrics.jsonl, so a resume never
+        leaves a gap there (a shard can finish step ``t``'s update before the workers report it).
+        """
+        with self._lock:
+            ready = [
+                step
+                for step, shards in self._confirmed.items()
+                if len(shards) == self._template.ps_shards and step <= completed_steps
+            ]
+            if not ready:
                 return None
+            step = max(ready)
             manifest = Manifest(**{**asdict(self._template), "step": step, "committed_unix_s": time.time()})
             atomic_write(
                 manifest_path(self.directory, step),
@@ -129,3 +142,30 @@ class CheckpointLedger:
                 manifest_path(self.directory, old).unlink(missing_ok=True)
             log.info("checkpoint of step %d committed (%d shards)", step, self._template.ps_shards)
             return manifest
+
+
+def discard(directory: Path) -> None:
+    """Forget every committed checkpoint here (``--fresh``, or a finished run trained anew).
+
+    Only the manifests go: without them no shard file is ever used, and each shard prunes the
+    files of a discarded run the first time it writes its own.
+    """
+    for step in committed_steps(directory):
+        manifest_path(directory, step).unlink(missing_ok=True)
+
+
+def resume_point(directory: Path, digest: str, steps: int, fresh: bool) -> Manifest | None:
+    """The checkpoint to resume from: the newest committed one of this job file, if unfinished.
+
+    ``fresh`` discards what is there. A run that already reached ``steps`` is not resumed (there
+    is nothing left to train): its checkpoints are discarded and the job trains anew.
+    """
+    if fresh:
+        discard(directory)
+        return None
+    manifest = newest_manifest(directory, digest)
+    if manifest is not None and manifest.step >= steps:
+        log.info("the checkpoints in %s are of a finished run (step %d); training anew", directory, manifest.step)
+        discard(directory)
+        return None
+    return manifest

@@ -38,11 +38,13 @@ from pathlib import Path
 
 import torch
 
+from pstrain.coordinator.checkpoints import CheckpointLedger
 from pstrain.coordinator.data_shards import DataShardAssignment, DataShardCounts, DataShardTracker
 from pstrain.coordinator.errors import InvalidRequest, ProbeFailed, WrongState
 from pstrain.coordinator.export import ModelExport, PullFinal
 from pstrain.coordinator.ledger import Progress, StepLedger, StepRecord, StepReport
 from pstrain.coordinator.membership import Membership, MemberView
+from pstrain.coordinator.memory_forecast import RECENT_STEPS, PsMemoryForecast, expected_end_s
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import Plan
 from pstrain.coordinator.probe import ProbeOutcome, ProbeReport, ProbeSession, ProbeSetup
@@ -102,6 +104,10 @@ class JobStatusView:
     metrics_address: str
     worker_device_memory_bytes: int  # S2.2 estimates, 0 before the probe is accepted
     worker_host_memory_bytes: int
+    skipped_steps: int = 0  # steps completed without an update (a non-finite loss or gradient, on_nonfinite: skip)
+    ps_memory_forecast_bytes: int = 0  # S2.4: the largest PS shard's memory at the job's end, 0 while unknown
+    ps_memory_trend: str = "unknown"  # plateau | growing | unknown
+    checkpoint_step: int = -1  # the newest committed checkpoint, -1 if none
 
 
 class Job:
@@ -117,8 +123,15 @@ class Job:
         heartbeat_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         probe: ProbeSetup | None = None,
+        start_step: int = 0,
+        checkpoints: CheckpointLedger | None = None,
     ) -> None:
+        if not 0 <= start_step < plan.steps:
+            raise ValueError(f"start step {start_step} is outside the job's steps 0..{plan.steps - 1}")
         self.job_id = job_id
+        self.failure_retryable = True  # meaningful once FAILED: would a restart help?
+        self.resume_step = start_step  # > 0: PS shards load this committed checkpoint instead of the initial weights
+        self._checkpoints = checkpoints
         self.plan = plan
         self.spec = spec
         self.model = model
@@ -140,6 +153,7 @@ class Job:
             out_dir / "metrics.jsonl" if out_dir is not None else None,
             clock,
             self._cond,
+            start_step,
         )
         self.export = ModelExport(model, out_dir, pull_final, heartbeat_timeout_s, self._cond)
 
@@ -156,6 +170,24 @@ class Job:
             self.membership.ps(shard_id)
             r = self.shard_ranges[shard_id]
         return self.model.initial_range(r.start, r.end)
+
+    def checkpoint_written(self, shard_id: int, step: int) -> None:
+        """A shard's checkpoint of ``step`` is durable; the last shard to confirm commits it."""
+        with self._cond:
+            self.membership.ps(shard_id)
+            if self._checkpoints is None:
+                raise WrongState(f"job {self.job_id} takes no checkpoints (checkpoint.every_steps is 0 or no dir)")
+            if not 0 < step <= self.plan.steps:
+                raise InvalidRequest(f"checkpoint step {step} is outside this job's steps 1..{self.plan.steps}")
+        self._checkpoints.confirm(shard_id, step)
+        if self._checkpoints.commit(self.ledger.completed) is not None:  # file I/O: outside the job's lock
+            with self._cond:
+                self._cond.notify_all()
+
+    @property
+    def checkpoint_step(self) -> int:
+        """The newest committed checkpoint, -1 if none."""
+        return self._checkpoints.last_committed if self._checkpoints is not None else -1
 
     def ps_ready(self, shard_id: int) -> None:
         with self._cond:
@@ -220,7 +252,7 @@ class Job:
             try:
                 judgement = self._probe.judge(report.probe)
             except ProbeFailed as exc:
-                self.fail(str(exc))
+                self.fail(str(exc), retryable=False)
                 raise
             if judgement.replanned is not None:
                 self.plan, self.spec = judgement.replanned
@@ -261,15 +293,29 @@ class Job:
     # ------------------------------------------------------------------ steps and export
 
     def report_step(self, report: StepReport) -> Directive:
+        directive, completed = self._record_step(report)
+        if self._checkpoints is not None and completed is not None:
+            self._checkpoints.commit(completed)  # a checkpoint waiting for this step's record; outside the lock
+        return directive
+
+    def _record_step(self, report: StepReport) -> tuple[Directive, int | None]:
+        """Take the report; returns the directive and, when the report completed a step, the step count."""
         with self._cond:
             worker = self.membership.worker(report.worker_id)
             worker.last_seen = self._clock()
             if not 0 <= report.step < self.plan.steps:
                 raise InvalidRequest(f"step {report.step} is outside this job's steps 0..{self.plan.steps - 1}")
             if self.state.over:
-                return self._directive()
+                return self._directive(), None
             if self.state != JobState.RUNNING:
                 raise WrongState(f"job is {self.state.name}; step reports are accepted while RUNNING")
+            if report.nonfinite and self.spec.on_nonfinite != "skip":
+                self.fail(
+                    f"worker {report.worker_id} computed a non-finite loss or gradient at step {report.step}; "
+                    "fault.on_nonfinite: stop",
+                    retryable=False,
+                )
+                return self._directive(), None
             record = self.ledger.add(report)
             if record is not None and record.step == self.plan.steps - 1:
                 self.state = JobState.EXPORTING
@@ -279,7 +325,7 @@ class Job:
                 self._cond.notify_all()
             if report.step == self.plan.steps - 1:
                 worker.done = True
-            return self._directive()
+            return self._directive(), (self.ledger.completed if record is not None else None)
 
     @property
     def records(self) -> list[StepRecord]:
@@ -307,9 +353,9 @@ class Job:
 
     # ------------------------------------------------------------------ liveness and the end
 
-    def heartbeat(self, role: str, member_id: int) -> Directive:
+    def heartbeat(self, role: str, member_id: int, rss_bytes: int = 0) -> Directive:
         with self._cond:
-            member = self.membership.heard_from(role, member_id)
+            member = self.membership.heard_from(role, member_id, rss_bytes)
             directive = self._directive()
             if directive.stop:
                 member.done = True
@@ -329,12 +375,14 @@ class Job:
         with self._cond:
             return self.membership.alive_count(role)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, retryable: bool = True) -> None:
+        """End the job as FAILED; ``retryable`` False when a restart would fail the same way."""
         with self._cond:
             if self.state.over:
                 return
             self.state = JobState.FAILED
             self.message = reason
+            self.failure_retryable = retryable
             log.error("job failed: %s", reason)
             self._cond.notify_all()
 
@@ -343,14 +391,28 @@ class Job:
             return self._cond.wait_for(lambda: self.state.over, timeout_s)
 
     def wait_stopped(self, timeout_s: float) -> bool:
-        """Wait until every PS shard was told to stop (it heartbeat after the job ended)."""
+        """Wait until every PS shard was told to stop (it heartbeat after the job ended) and, after a
+        finished job, its final checkpoint is committed (so running the job again starts anew)."""
+
+        def stopped() -> bool:
+            final = self._checkpoints is None or self.state != JobState.FINISHED
+            return self.membership.all_ps_done() and (final or self.checkpoint_step >= self.plan.steps)
+
         with self._cond:
-            return self._cond.wait_for(self.membership.all_ps_done, timeout_s)
+            return self._cond.wait_for(stopped, timeout_s)
+
+    def ps_memory_forecast(self) -> PsMemoryForecast:
+        """S2.4: the PS shards' memory at the job's end, from their heartbeats' RSS and the recent step rate."""
+        with self._cond:
+            recent = [r.step_s for r in self.ledger.records[-RECENT_STEPS:]]
+            end_s = expected_end_s(self._clock(), self.ledger.completed, self.plan.steps, recent)
+            return self.membership.ps_memory(end_s)
 
     def status(self) -> JobStatusView:
         counts = self.data_shards.counts()
         with self._cond:
             step = self.ledger.completed
+            memory = self.ps_memory_forecast()
             return JobStatusView(
                 job_id=self.job_id,
                 state=self.state,
@@ -366,6 +428,10 @@ class Job:
                 metrics_address=self.metrics_address,
                 worker_device_memory_bytes=self.worker_device_bytes,
                 worker_host_memory_bytes=self.worker_host_bytes,
+                skipped_steps=self.ledger.skipped_steps,
+                ps_memory_forecast_bytes=memory.bytes,
+                ps_memory_trend=memory.trend.value,
+                checkpoint_step=self.checkpoint_step,
             )
 
     def close(self) -> None:

@@ -6,6 +6,11 @@ the slowest worker's own step time if that is longer). Steps complete in order: 
 step past the next one is refused, a retried report of a recorded step is ignored, and a second
 report of a pending step replaces the first.
 
+A step that some worker reported ``nonfinite`` (it saw a NaN/Inf loss or gradient and asked the
+PS to skip the step, ``fault.on_nonfinite: skip``) is recorded as skipped: its loss is NaN in the
+record and ``null`` in metrics.jsonl (NaN is not JSON), ``"skipped": true``. Under ``stop`` such a
+report never gets here: the Job fails first.
+
 Locking: the ledger shares the ``Job``'s condition (one lock for the whole job, so there is no
 lock order to get wrong). ``add`` and ``start`` expect the caller to hold it; ``watch`` takes it
 itself while it waits.
@@ -14,13 +19,15 @@ itself while it waits.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from pstrain.coordinator.errors import WrongState
+from pstrain.runtime.atomic_io import atomic_write
 
 if TYPE_CHECKING:
     from pstrain.coordinator.job import JobState
@@ -35,6 +42,7 @@ class StepReport:
     loss: float  # mean over the worker's samples of this step
     samples: int
     step_s: float  # wall time of the step on this worker
+    nonfinite: bool = False  # the worker's loss or gradient was NaN/Inf: it did not push this step
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,22 @@ class StepRecord:
     global_batch: int
     samples_per_s: float
     step_s: float
+    skipped: bool = False  # a worker saw a non-finite loss or gradient: no update; ``loss`` is NaN
+
+    def to_json(self) -> str:
+        """The metrics.jsonl line: strict JSON, so a NaN loss (a skipped step) is written as null."""
+        fields = asdict(self)
+        if not math.isfinite(self.loss):
+            fields["loss"] = None
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, line: str) -> StepRecord:
+        """A metrics.jsonl line back into a record (``to_json``'s inverse: null loss -> NaN)."""
+        fields = json.loads(line)
+        if fields.get("loss") is None:
+            fields["loss"] = math.nan
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,7 @@ class StepLedger:
         metrics_path: Path | None,
         clock: Callable[[], float],
         cond: threading.Condition,
+        start_step: int = 0,
     ) -> None:
         self.workers = workers
         self._lr_at = lr_at
@@ -74,15 +99,35 @@ class StepLedger:
         self._cond = cond
         self._reports: dict[int, dict[int, StepReport]] = {}
         self._records: list[StepRecord] = []
+        self._offset = start_step  # steps completed before this ledger (a resumed job); not in _records
         self._last_completion: float | None = None
         self._metrics = None
         if metrics_path is not None:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(metrics_path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+            self._metrics = self._open_metrics(metrics_path, start_step)
+
+    def _open_metrics(self, path: Path, start_step: int) -> IO[str]:
+        """A fresh metrics.jsonl, or (resuming at ``start_step``) its first ``start_step`` lines kept.
+
+        Lines past the checkpoint belong to steps that will be trained again, so they are
+        dropped (atomically) and their records come back as the steps complete anew.
+        """
+        if start_step == 0 or not path.exists():
+            return open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        kept = path.read_text().splitlines()[:start_step]
+        self._records = [StepRecord.from_json(line) for line in kept]
+        self._offset = start_step - len(self._records)
+        atomic_write(path, lambda fh: fh.write("".join(line + "\n" for line in kept).encode()))
+        return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
     @property
     def completed(self) -> int:
-        return len(self._records)
+        return self._offset + len(self._records)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Recorded steps that completed without an update (a non-finite loss or gradient)."""
+        return sum(record.skipped for record in self._records)
 
     @property
     def records(self) -> list[StepRecord]:
@@ -95,7 +140,7 @@ class StepLedger:
 
     def add(self, report: StepReport) -> StepRecord | None:
         """Take one worker's report; returns the step's record when it was the last one missing."""
-        completed = len(self._records)
+        completed = self.completed
         if report.step < completed:
             return None  # a retried report of a step already recorded
         if report.step > completed:
@@ -109,7 +154,8 @@ class StepLedger:
     def _complete(self, step: int) -> StepRecord:
         reports = list(self._reports.pop(step).values())
         samples = sum(r.samples for r in reports)
-        loss = sum(r.loss * r.samples for r in reports) / max(samples, 1)
+        skipped = any(r.nonfinite for r in reports)
+        loss = math.nan if skipped else sum(r.loss * r.samples for r in reports) / max(samples, 1)
         now = self._clock()
         interval = now - self._last_completion if self._last_completion is not None else 0.0
         step_s = max(interval, max(r.step_s for r in reports)) if step == 0 else interval
@@ -121,10 +167,11 @@ class StepLedger:
             global_batch=samples,
             samples_per_s=samples / step_s if step_s > 0 else 0.0,
             step_s=step_s,
+            skipped=skipped,
         )
         self._records.append(record)
         if self._metrics is not None:
-            self._metrics.write(json.dumps(asdict(record)) + "\n")
+            self._metrics.write(record.to_json() + "\n")
         self._cond.notify_all()
         return record
 
@@ -138,15 +185,17 @@ class StepLedger:
         """
         sent = max(0, from_step)
 
+        sent = max(sent, self._offset)  # steps before a resume without metrics lines are not replayed
+
         def news() -> bool:
-            return len(self._records) > sent or phase()[0].over
+            return self.completed > sent or phase()[0].over
 
         while active():
             with self._cond:
                 self._cond.wait_for(news, timeout=1.0)
-                fresh = self._records[sent:]
+                fresh = self._records[sent - self._offset :]
                 state, message = phase()
-                completed = len(self._records)
+                completed = self.completed
             for record in fresh:
                 yield Progress(record, completed, state, message)
             sent += len(fresh)

@@ -7,6 +7,7 @@ exits 0 or 1 accordingly. SIGTERM stops it early with health NOT_SERVING and a d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pstrain.coordinator.checkpoints import CheckpointLedger, CheckpointMismatch, Manifest, job_hash, resume_point
 from pstrain.coordinator.config import JobConfig, load_config
 from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import ConfigError
@@ -28,6 +30,7 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.factories import FactoryError, build_dataset
 from pstrain.runtime.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
+from pstrain.runtime.member import EXIT_JOB_FAILED
 from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.ps_api import RetryPolicy, with_retries
 from pstrain.runtime.ps_client import PsClient
@@ -43,12 +46,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="directory for model.pt and metrics.jsonl")
     p.add_argument("--steps", type=int, help="override job.steps")
     p.add_argument("--linger-s", type=float, default=30.0, help="after the job, wait this long for shards to stop")
+    p.add_argument(
+        "--fresh", action="store_true", help="discard the committed checkpoints instead of resuming from the newest"
+    )
     add_common_flags(p, default_bind="0.0.0.0:7070")
     return p.parse_args(argv)
 
 
-def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity = INSECURE) -> Job:
-    """Everything the coordinator knows before the first member calls."""
+def checkpoint_dir(cfg: JobConfig, out_dir: Path | None) -> Path | None:
+    """``checkpoint.dir``, else ``<out>/checkpoints``; None (no checkpoints) without either or when off."""
+    if cfg.checkpoint.every_steps == 0:
+        return None
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir).resolve()
+    return (out_dir / "checkpoints").resolve() if out_dir is not None else None
+
+
+def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity = INSECURE, fresh: bool = False) -> Job:
+    """Everything the coordinator knows before the first member calls, resumed from a checkpoint if any."""
     model = ModelState(cfg)
     try:
         dataset = build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs))
@@ -62,9 +77,44 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
     if dataset_size < plan.per_device_batch:
         raise ConfigError(f"batch.per_device: {plan.per_device_batch} exceeds the dataset's {dataset_size} samples")
     job_id = f"{cfg.job.name}-{uuid.uuid4().hex[:8]}"
-    spec = job_spec(cfg, plan, model.layout, job_id, job_plan.layer_policies())
-    probe = probe_setup(cfg, job_plan, lambda p, policies: job_spec(cfg, p, model.layout, job_id, policies))
-    tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed)
+    directory = checkpoint_dir(cfg, out_dir)
+    where = str(directory) if directory is not None else ""
+    spec = job_spec(cfg, plan, model.layout, job_id, job_plan.layer_policies(), where)
+    probe = probe_setup(cfg, job_plan, lambda p, policies: job_spec(cfg, p, model.layout, job_id, policies, where))
+    resume, ledger = None, None
+    if directory is not None:
+        try:
+            resume = resume_point(directory, job_hash(dataclasses.asdict(cfg)), plan.steps, fresh)
+        except CheckpointMismatch as exc:
+            raise ConfigError(f"checkpoint.dir: {exc}") from exc
+        if resume is not None and probe is not None:
+            plan, spec = probe.replan(resume.per_worker_batch // plan.devices_per_worker)
+            probe = None  # the checkpoint's batch was probed when it was first planned
+        template = Manifest(
+            step=-1,
+            job_hash=job_hash(dataclasses.asdict(cfg)),
+            ps_shards=spec.ps_shards,
+            total_params=spec.total_params,
+            workers=plan.workers,
+            per_worker_batch=plan.per_device_batch * plan.devices_per_worker,
+            committed_unix_s=0.0,
+        )
+        if resume is not None and (resume.ps_shards, resume.total_params, resume.workers, resume.per_worker_batch) != (
+            template.ps_shards,
+            template.total_params,
+            template.workers,
+            template.per_worker_batch,
+        ):
+            raise ConfigError(
+                f"checkpoint.dir: the checkpoint of step {resume.step} in {directory} was made for another cluster "
+                f"shape or batch; use --fresh to discard it"
+            )
+        ledger = CheckpointLedger(directory, template, cfg.checkpoint.keep)
+    tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed, slots=plan.workers)
+    start_step = resume.step if resume is not None else 0
+    if start_step:
+        tracker.resume(start_step, plan.per_device_batch * plan.devices_per_worker)
+        log.info("resuming from the committed checkpoint of step %d in %s", start_step, directory)
 
     def export(addresses: list[str], version: int) -> torch.Tensor:
         client = PsClient(
@@ -77,7 +127,19 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         finally:
             client.close()
 
-    return Job(job_id, plan, spec, model, tracker, out_dir, export, cfg.transport.heartbeat_timeout_s, probe=probe)
+    return Job(
+        job_id,
+        plan,
+        spec,
+        model,
+        tracker,
+        out_dir,
+        export,
+        cfg.transport.heartbeat_timeout_s,
+        probe=probe,
+        start_step=start_step,
+        checkpoints=ledger,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         if args.steps is not None:
             cfg = cfg.with_steps(args.steps)
-        job = build_job(cfg, Path(args.out) if args.out else None, security)
+        job = build_job(cfg, Path(args.out) if args.out else None, security, args.fresh)
     except (ConfigError, SecurityError) as exc:
         log.error("cannot start job %s: %s", args.config, exc)
         return 2
@@ -111,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
             job.fail("coordinator stopped by signal")
             return 0  # SIGTERM is an orderly stop, not a failure of this process
         job.wait_stopped(args.linger_s)
-        return 0 if job.state == JobState.FINISHED else 1
+        if job.state == JobState.FINISHED:
+            return 0
+        return 1 if job.failure_retryable else EXIT_JOB_FAILED
     finally:
         sd_notify("STOPPING=1")
         server.stop(args.grace_s)

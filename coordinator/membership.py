@@ -4,7 +4,8 @@ A member is alive while it was heard from (registration, readiness, a heartbeat,
 within the heartbeat timeout. A PS shard id is taken by one process at a time: another address
 may take it only once the holder went silent (a shard restarted elsewhere); the same address may
 register again (a retried call). Worker ids are handed out in registration order until the
-plan's slots are full.
+plan's slots are full. Each heartbeat's RSS is kept as a sample in the member's
+``MemoryHistory``; ``ps_memory`` forecasts the PS shards' memory from them (S2.4).
 
 Plain and not thread-safe: the ``Job`` calls it only with its lock held. The clock is injected.
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember
+from pstrain.coordinator.memory_forecast import MemoryHistory, PsMemoryForecast, forecast_ps_memory
+from pstrain.runtime.memory_trend import DEFAULT_SETTINGS, TrendSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,7 @@ class Member:
     done: bool = False  # a worker past its last step, a PS told to stop
     hostname: str = ""
     metrics_address: str = ""
+    memory: MemoryHistory = field(default_factory=MemoryHistory)  # RSS from heartbeats; a re-registration starts anew
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Membership:
         devices_per_worker: int,
         heartbeat_timeout_s: float,
         clock: Callable[[], float],
+        memory_settings: TrendSettings = DEFAULT_SETTINGS,
     ) -> None:
         self.job_id = job_id
         self.ps_shards = ps_shards
@@ -64,6 +69,7 @@ class Membership:
         self.devices_per_worker = devices_per_worker
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
+        self._memory_settings = memory_settings
         self._ps: dict[int, Member] = {}
         self._workers: dict[int, Member] = {}
 
@@ -140,15 +146,21 @@ class Membership:
 
     # ------------------------------------------------------------------ liveness
 
-    def heard_from(self, role: str, member_id: int) -> Member:
-        """A heartbeat: the member is alive now."""
+    def heard_from(self, role: str, member_id: int, rss_bytes: int = 0) -> Member:
+        """A heartbeat: the member is alive now, and its RSS (0: not measured) is a memory sample."""
         if role not in ROLES:
             raise InvalidRequest(f"unknown role {role!r}; use 'ps' or 'worker'")
         member = (self._ps if role == "ps" else self._workers).get(member_id)
         if member is None:
             raise UnknownMember(f"{role} {member_id} is not registered")
         member.last_seen = self._clock()
+        member.memory.add(member.last_seen, rss_bytes)
         return member
+
+    def ps_memory(self, end_s: float | None) -> PsMemoryForecast:
+        """The PS shards' memory forecast now, extrapolated to ``end_s`` where a shard still grows (S2.4)."""
+        histories = {i: m.memory.samples for i, m in self._ps.items()}
+        return forecast_ps_memory(histories, self._clock(), end_s, self._memory_settings)
 
     def alive(self, member: Member) -> bool:
         return self._clock() - member.last_seen <= self.heartbeat_timeout_s

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+import time
+
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
 from pstrain.coordinator.job import Job
+from pstrain.coordinator.memory_forecast import PsMemoryForecast
+from pstrain.runtime.memory_trend import Trend
 
 
 def register_job_metrics(job: Job) -> None:
@@ -32,3 +36,47 @@ def register_job_metrics(job: Job) -> None:
     data_shards.labels("todo").set_function(lambda: job.data_shards.counts().todo)
     data_shards.labels("doing").set_function(lambda: job.data_shards.counts().doing)
     data_shards.labels("done").set_function(lambda: job.data_shards.counts().done)
+    register_ps_memory_metrics(job)
+
+
+FORECAST_MAX_AGE_S = 1.0
+
+
+def register_ps_memory_metrics(job: Job, registry: CollectorRegistry = REGISTRY) -> None:
+    """S2.4's forecast: the figure ``GetJobStatus`` reports, each shard's, and the trend as a state set.
+
+    One scrape reads several of these gauges; they share one forecast at most ``FORECAST_MAX_AGE_S`` old
+    instead of fitting every shard once per gauge.
+    """
+    cached: list[tuple[float, PsMemoryForecast]] = []
+
+    def forecast() -> PsMemoryForecast:
+        now = time.monotonic()
+        if not cached or now - cached[0][0] > FORECAST_MAX_AGE_S:
+            cached[:] = [(now, job.ps_memory_forecast())]
+        return cached[0][1]
+
+    def shard_bytes(shard_id: int) -> float:
+        return next((s.bytes for s in forecast().shards if s.shard_id == shard_id), 0)
+
+    Gauge(
+        "pstrain_coordinator_ps_memory_forecast_bytes",
+        "Largest PS shard's memory forecast at the job's end (plateau size, or growth extrapolated); 0 unknown",
+        registry=registry,
+    ).set_function(lambda: forecast().bytes)
+    per_shard = Gauge(
+        "pstrain_coordinator_ps_shard_memory_forecast_bytes",
+        "Each PS shard's memory forecast at the job's end",
+        ["shard"],
+        registry=registry,
+    )
+    for shard_id in range(len(job.shard_ranges)):
+        per_shard.labels(str(shard_id)).set_function(lambda i=shard_id: shard_bytes(i))
+    trend = Gauge(
+        "pstrain_coordinator_ps_memory_trend",
+        "1 for the PS memory trend now, 0 for the others",
+        ["trend"],
+        registry=registry,
+    )
+    for value in Trend:
+        trend.labels(value.value).set_function(lambda v=value: float(forecast().trend is v))

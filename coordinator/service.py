@@ -42,7 +42,9 @@ def _probe_report(m: pb.ProbeReport) -> ProbeReport:
 
 
 def _step_report(m: pb.StepReport) -> StepReport:
-    return StepReport(worker_id=m.worker_id, step=m.step, loss=m.loss, samples=m.samples, step_s=m.step_s)
+    return StepReport(
+        worker_id=m.worker_id, step=m.step, loss=m.loss, samples=m.samples, step_s=m.step_s, nonfinite=m.nonfinite
+    )
 
 
 def _progress_event(p: Progress) -> pb.ProgressEvent:
@@ -87,6 +89,10 @@ def _job_status(s: JobStatusView) -> pb.JobStatus:
         global_lr=s.global_lr,
         worker_device_memory_bytes=s.worker_device_memory_bytes,
         worker_host_memory_bytes=s.worker_host_memory_bytes,
+        skipped_steps=s.skipped_steps,
+        ps_memory_forecast_bytes=s.ps_memory_forecast_bytes,
+        ps_memory_trend=s.ps_memory_trend,
+        checkpoint_step=s.checkpoint_step,
     )
 
 
@@ -99,7 +105,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.RegisterPsRequest, context: grpc.ServicerContext
     ) -> pb.RegisterPsReply:
         r = self.job.register_ps(request.shard_id, request.address, request.metrics_address)
-        return pb.RegisterPsReply(job=self.job.spec, start=r.start, end=r.end)
+        return pb.RegisterPsReply(job=self.job.spec, start=r.start, end=r.end, resume_step=self.job.resume_step)
 
     @translate
     def FetchInitialParameters(
@@ -110,6 +116,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @translate
     def ParameterServerReady(self, request: pb.PsReadyRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.job.ps_ready(request.shard_id)
+        return pb.Empty()
+
+    @translate
+    def ReportCheckpoint(self, request: pb.CheckpointWritten, context: grpc.ServicerContext) -> pb.Empty:
+        self.job.checkpoint_written(request.shard_id, request.step)
         return pb.Empty()
 
     @translate
@@ -156,7 +167,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @translate
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.Directive:
-        return _directive(self.job.heartbeat(request.role, request.id))
+        return _directive(self.job.heartbeat(request.role, request.id, request.rss_bytes))
 
     @translate
     def WatchProgress(

@@ -14,7 +14,7 @@ from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import make_plan
 from pstrain.coordinator.planning import describe, plan_job
-from pstrain.launcher.local_cluster import LocalCluster, last_metrics, run_local
+from pstrain.launcher.local_cluster import LocalCluster, RestartPolicy, last_metrics, run_local
 from pstrain.runtime.atomic_io import atomic_write
 from pstrain.runtime.factories import FactoryError, build_dataset, build_model, import_object
 
@@ -45,14 +45,15 @@ def cmd_local(args: argparse.Namespace) -> int:
         make_plan(cfg).describe() if cfg.batch.per_device != "auto" else "per-device batch: auto (see `pstrain plan`)"
     )
     print(f"pstrain local: {summary}; {cfg.cluster.ps_shards} PS shard(s); output in {out_dir}")
-    cluster = LocalCluster(Path(args.config).resolve(), cfg, out_dir, args.steps, args.log_level)
-    code = run_local(cluster)
+    cluster = LocalCluster(Path(args.config).resolve(), cfg, out_dir, args.steps, args.log_level, fresh=args.fresh)
+    code = run_local(cluster, RestartPolicy(cfg.fault.max_restarts, cfg.fault.restart_backoff_s))
     if code != 0:
         print(f"pstrain local: logs are in {out_dir / 'logs'}", file=sys.stderr)
         return code
     metrics = last_metrics(out_dir)
     if metrics:
-        print(f"final loss {metrics['loss']:.4f}, {metrics['samples_per_s']:.0f} samples/s")
+        loss = "skipped (non-finite)" if metrics.get("loss") is None else f"{metrics['loss']:.4f}"
+        print(f"final loss {loss}, {metrics['samples_per_s']:.0f} samples/s")
     try:
         results = evaluate(cfg, out_dir)
     except FactoryError as exc:
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--out", default="runs/latest", help="output directory (model.pt, metrics.jsonl, logs/)")
     local.add_argument("--steps", type=int, help="override job.steps")
     local.add_argument("--log-level", default="INFO", help="log level of the cluster's processes")
+    local.add_argument(
+        "--fresh",
+        action="store_true",
+        help="discard the committed checkpoints in the output directory instead of resuming from the newest",
+    )
     local.set_defaults(func=cmd_local)
     plan = sub.add_parser("plan", help="print the memory plan, batch and learning rate without starting a cluster")
     plan.add_argument("--config", required=True, help="job file (YAML)")

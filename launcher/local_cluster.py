@@ -45,8 +45,9 @@ class ClusterFailure(RuntimeError):
 class ProcessDied(ClusterFailure):
     """A child exited unexpectedly: the cluster is restarted from the last committed checkpoint."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
+    def __init__(self, name: str, exit_code: int, tail: str) -> None:
+        super().__init__(f"{name} exited with code {exit_code}; last log lines:\n{tail}")
+        self.name = name
         self.exit_code = exit_code
 
 
@@ -56,13 +57,16 @@ class RestartPolicy:
 
     A child that dies (killed, crashed, exit 1) takes the cluster down; it is started again
     after ``backoff_s`` (doubling each time, up to ``max_backoff_s``) and resumes from the
-    newest committed checkpoint, at most ``max_restarts`` times. Exit code 2 (a bad job file
-    or flag) is never retried: it would fail the same way again.
+    newest committed checkpoint, at most ``max_restarts`` times. Exit codes 2 (a bad job file
+    or flag) and 3 (the job failed for a reason a restart would repeat, e.g. a NaN with
+    ``fault.on_nonfinite: stop``) are never retried.
     """
 
     max_restarts: int = 3
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+
+    NOT_RETRIED = (2, 3)
 
     def delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
@@ -93,6 +97,7 @@ class LocalCluster:
     out_dir: Path
     steps: int | None = None
     log_level: str = "INFO"
+    fresh: bool = False  # the first start discards committed checkpoints; restarts always resume
     start_timeout_s: float = 120.0
     grace_s: float = 10.0
     processes: list[ManagedProcess] = field(default_factory=list)
@@ -131,6 +136,9 @@ class LocalCluster:
         args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s)]
         if self.steps is not None:
             args += ["--steps", str(self.steps)]
+        if self.fresh:
+            args.append("--fresh")
+            self.fresh = False
         coordinator = self._spawn("coordinator", "pstrain.coordinator", args)
         deadline = time.monotonic() + self.start_timeout_s
         while not port_file.exists():
@@ -153,7 +161,7 @@ class LocalCluster:
         for proc in self.processes:
             code = proc.popen.poll()
             if code not in (None, 0):
-                raise ProcessDied(f"{proc.name} exited with code {code}; last log lines:\n{proc.tail()}", code)
+                raise ProcessDied(proc.name, code, proc.tail())
 
     def run(self) -> int:
         """Follow the job to its end; returns the number of steps recorded."""
@@ -238,16 +246,16 @@ def run_local(cluster: LocalCluster, policy: RestartPolicy | None = None) -> int
             return 0
         except ProcessDied as exc:
             cluster.shutdown(kill=True)
-            if exc.exit_code == 2 or attempt >= policy.max_restarts:
+            if exc.exit_code in policy.NOT_RETRIED or attempt >= policy.max_restarts:
                 print(f"pstrain local: {exc}", file=sys.stderr)
-                if attempt >= policy.max_restarts and exc.exit_code != 2:
+                if attempt >= policy.max_restarts and exc.exit_code not in policy.NOT_RETRIED:
                     print(f"pstrain local: gave up after {attempt} restart(s)", file=sys.stderr)
                 return 1
-            first_line = str(exc).splitlines()[0]
             delay = policy.delay(attempt)
             attempt += 1
             print(
-                f"pstrain local: {first_line}; restarting the cluster from the last committed checkpoint "
+                f"pstrain local: {exc.name} exited with code {exc.exit_code}; restarting the cluster from the last "
+                f"committed checkpoint "
                 f"in {delay:.1f}s (restart {attempt} of {policy.max_restarts})",
                 file=sys.stderr,
                 flush=True,

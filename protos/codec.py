@@ -1,21 +1,34 @@
-"""Tensors on the wire: raw little-endian bytes in chunks.
+"""Tensors on the wire: raw little-endian bytes in chunks, copied once out and once in.
 
-Nothing loops over elements in Python and nothing is pickled, but the bytes are copied many
-times. Counted per chunk and direction with gdb on every libc memcpy of 4 KiB or more, one
-push and one pull of a 4 MiB shard over loopback (protobuf 7.36 upb, grpcio 1.85), each
-direction copies every payload byte 14 times in user space, besides the kernel's socket copies:
+The tensor-carrying RPCs of the data plane (Push requests, Pull replies) do not go through
+protobuf objects: ``encode_push_chunks`` and ``EncodedReplies`` write each message's bytes
+directly (the small chunk header through protobuf, then the payload appended straight from the
+tensor's memory), and ``decode_push_request`` / ``decode_pull_reply`` walk the received bytes
+and hand out the payload as a ``memoryview`` that ``TensorAssembler`` copies into its
+destination. The bytes are exactly the ``pstrain.proto`` encoding, so grpcurl and generated
+stubs still talk to both ends. Servers and clients register these functions as the methods'
+serializers (``ps_server.service.add_parameter_server``, ``runtime.ps_client``).
 
-    sender, 8:   ``tobytes`` of the tensor's memory (``encode_chunks``); into the TensorChunk's
-                 arena; 3 to nest the chunk in a PushRequest / PullReply (upb's MergeFrom
-                 serialises the chunk to bytes and parses it back); 2 to serialise the request
-                 (encode, then a Python ``bytes``); 1 into gRPC's slice
-    receiver, 6: 2 in gRPC's Python layer (a ``bytes`` per slice, then ``b"".join``); 1 to parse
-                 the message; 2 in ``TensorAssembler.add``, which reads ``chunk.data`` twice and
-                 each read builds a new ``bytes``; 1 into the preallocated destination
+Copies of every payload byte in user space, counted with gdb on every libc memcpy/memmove of
+4 KiB or more during one push and one pull of a 4 MiB shard over loopback (client and server in
+one process, protobuf 7.36 upb, grpcio 1.85; ``bench/pushpull.py --copies`` recounts them):
 
-Streams of bare TensorChunks (FetchInitialParameters, UploadBuffers) skip the nesting: 11 by
-the same count. A push then adds (or, for a step's first contribution, copies) the staged
-gradient into the shard's accumulator; that is the update, not the wire.
+    push, 5:  1 ``encode_push_chunks`` (tensor -> message bytes); 1 gRPC's slice of the message;
+              2 in gRPC's Python receive path (a ``bytes`` per slice, then ``b"".join``);
+              1 ``TensorAssembler.add`` (payload view -> staging buffer)
+    pull, 4:  the same 1 + 2 of gRPC's and 1 ``TensorAssembler.add`` into the caller's buffer,
+              plus 1 per version: ``EncodedReplies`` (published tensor -> message bytes), made
+              by the version's first pull and shared by every pull of it
+
+Ours are one out of the tensor and one into the destination; the three in between are gRPC's
+and no serializer can avoid them (gRPC Python copies a message into a slice to send it, and
+hands a deserializer one joined ``bytes``). Before this codec each direction made 14.
+
+Streams of bare TensorChunks (FetchInitialParameters, UploadBuffers) still use protobuf
+messages (``encode_chunks``): setup-time traffic, not per step; ``TensorAssembler`` reads their
+``data`` once. A push then adds (or, for a step's first
+contribution, copies) the staged gradient into the shard's accumulator; that is the update, not
+the wire.
 """
 
 from __future__ import annotations
@@ -79,6 +92,40 @@ def _byte_view(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+@dataclass(frozen=True)
+class _Slicing:
+    """How a tensor is cut into chunks: its wire dtype, bytes, and byte ranges of whole elements."""
+
+    wire: int
+    item: int
+    shape: list[int]
+    raw: memoryview
+    step: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, chunk_bytes: int) -> _Slicing:
+        if tensor.device.type != "cpu":
+            raise CodecError(f"tensors travel from CPU memory, got one on {tensor.device}")
+        if chunk_bytes <= 0:
+            raise CodecError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        wire = wire_dtype(tensor.dtype)
+        tensor = tensor.contiguous()
+        item = tensor.element_size()
+        step = max(1, chunk_bytes // item) * item
+        return cls(wire, item, list(tensor.shape), memoryview(_byte_view(tensor)), step)
+
+    def starts(self) -> range:
+        """Byte offsets of the chunks; an empty tensor still has one (its dtype and shape travel)."""
+        return range(0, max(len(self.raw), 1), self.step)
+
+    def chunk(self, start: int, name: str = "") -> tuple[pb.TensorChunk, memoryview]:
+        """The chunk at byte ``start`` without its data, and a view of that data."""
+        header = pb.TensorChunk(name=name, dtype=self.wire, offset=start // self.item)  # type: ignore[arg-type]
+        if start == 0:
+            header.shape.extend(self.shape)
+        return header, self.raw[start : start + self.step]
+
+
 def encode_chunks(
     tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES, name: str = ""
 ) -> Iterator[pb.TensorChunk]:
@@ -86,23 +133,10 @@ def encode_chunks(
 
     An empty tensor still yields one chunk, so the receiver learns its dtype and shape.
     """
-    if tensor.device.type != "cpu":
-        raise CodecError(f"encode_chunks needs a CPU tensor, got one on {tensor.device}")
-    if chunk_bytes <= 0:
-        raise CodecError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    wire = wire_dtype(tensor.dtype)
-    tensor = tensor.contiguous()
-    item = tensor.element_size()
-    step = max(1, chunk_bytes // item) * item
-    raw = _byte_view(tensor).data
-    shape = list(tensor.shape)
-    if len(raw) == 0:
-        yield pb.TensorChunk(name=name, dtype=wire, shape=shape, offset=0, data=b"")
-        return
-    for start in range(0, len(raw), step):
-        chunk = pb.TensorChunk(name=name, dtype=wire, offset=start // item, data=raw[start : start + step].tobytes())
-        if start == 0:
-            chunk.shape.extend(shape)
+    slicing = _Slicing.of(tensor, chunk_bytes)
+    for start in slicing.starts():
+        chunk, data = slicing.chunk(start, name)
+        chunk.data = data.tobytes()
         yield chunk
 
 
@@ -111,7 +145,8 @@ class TensorAssembler:
     """Receives the chunks of one tensor, in order, into memory allocated up front.
 
     Chunks must arrive in offset order without gaps or overlap, which gRPC streams give for
-    free and which lets ``complete`` prove full coverage by counting.
+    free and which lets ``complete`` prove full coverage by counting. A chunk is a protobuf
+    ``TensorChunk`` or a ``ChunkView``; either way its payload is read once and copied once.
     """
 
     dtype: torch.dtype
@@ -129,19 +164,20 @@ class TensorAssembler:
         self._item = torch.empty(0, dtype=self.dtype).element_size()
         self.filled = 0  # elements
 
-    def add(self, chunk: pb.TensorChunk) -> None:
+    def add(self, chunk: pb.TensorChunk | ChunkView) -> None:
         if torch_dtype(chunk.dtype) != self.dtype:
             raise CodecError(f"chunk dtype {dtype_name(chunk.dtype)} does not match {self.dtype}")
         if chunk.offset != self.filled:
             raise CodecError(f"chunk at element {chunk.offset}, expected {self.filled} (out of order or overlapping)")
-        size = len(chunk.data)
+        data = chunk.data  # once: each read of a protobuf bytes field makes a new copy
+        size = len(data)
         if size % self._item:
             raise CodecError(f"chunk of {size} bytes is not a whole number of {self.dtype} elements")
         count = size // self._item
         if self.filled + count > self.numel:
             raise CodecError(f"chunks exceed the announced {self.numel} elements")
         start = self.filled * self._item
-        self._bytes[start : start + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._bytes[start : start + size] = np.frombuffer(data, dtype=np.uint8)
         self.filled += count
 
     @property
@@ -179,3 +215,188 @@ def encode_named_tensors(
 ) -> Iterator[pb.TensorChunk]:
     for name, tensor in tensors.items():
         yield from encode_chunks(tensor.detach().cpu(), chunk_bytes, name=name)
+
+
+# ---------------------------------------------------------------------- data-plane messages as bytes
+#
+# Protobuf wire format: a field is a varint tag (number << 3 | wire type) and a value; wire type 0
+# is a varint, 2 is a length-delimited run of bytes (strings, bytes, nested messages, packed
+# repeated scalars), 1 and 5 are fixed 8 and 4 bytes. A parser takes fields in any order, the
+# last occurrence of a scalar or oneof member winning.
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_CHUNK_FIELD = 2  # PushRequest.chunk and PullReply.chunk
+_DATA_TAG = bytes([5 << 3 | _LEN])  # TensorChunk.data
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while pos < end:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            break
+    raise CodecError("malformed message: a varint runs past its end")
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, value or start, end) for each field of ``buf[pos:end]``."""
+    while pos < end:
+        tag, pos = _read_varint(buf, pos, end)
+        number, wire = tag >> 3, tag & 7
+        if wire == _VARINT:
+            value, pos = _read_varint(buf, pos, end)
+            yield number, wire, value, pos
+        elif wire == _LEN:
+            size, pos = _read_varint(buf, pos, end)
+            if pos + size > end:
+                raise CodecError("malformed message: a field runs past its end")
+            yield number, wire, pos, pos + size
+            pos += size
+        elif wire in (_I64, _I32):
+            pos += 8 if wire == _I64 else 4
+            if pos > end:
+                raise CodecError("malformed message: a field runs past its end")
+        else:
+            raise CodecError(f"malformed message: wire type {wire}")
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A ``TensorChunk`` as received: its fields, and its payload as a view of the message (no copy)."""
+
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    offset: int
+    data: memoryview
+
+
+def _chunk_view(buf: bytes, view: memoryview, pos: int, end: int) -> ChunkView:
+    name, dtype, offset, shape = "", 0, 0, []
+    data = view[0:0]
+    for number, wire, a, b in _fields(buf, pos, end):
+        if number == 1 and wire == _LEN:
+            name = buf[a:b].decode("utf-8", errors="replace")
+        elif number == 2 and wire == _VARINT:
+            dtype = _signed64(a)
+        elif number == 3 and wire == _LEN:  # packed
+            while a < b:
+                value, a = _read_varint(buf, a, b)
+                shape.append(_signed64(value))
+        elif number == 3 and wire == _VARINT:
+            shape.append(_signed64(a))
+        elif number == 4 and wire == _VARINT:
+            offset = _signed64(a)
+        elif number == 5 and wire == _LEN:
+            data = view[a:b]
+    return ChunkView(name, dtype, tuple(shape), offset, data)
+
+
+@dataclass(frozen=True)
+class PushPart:
+    """One message of a Push stream: a ``PushHeader`` or a chunk (``None`` both: an empty message)."""
+
+    header: pb.PushHeader | None = None
+    chunk: ChunkView | None = None
+
+
+def decode_push_request(raw: bytes) -> PushPart:
+    """Parse a ``PushRequest`` without copying its payload; raises ``CodecError`` if malformed."""
+    view = memoryview(raw)
+    part = PushPart()
+    for number, wire, a, b in _fields(raw, 0, len(raw)):
+        if number == 1 and wire == _LEN:
+            try:
+                part = PushPart(header=pb.PushHeader.FromString(raw[a:b]))
+            except Exception as exc:  # protobuf's DecodeError
+                raise CodecError(f"malformed PushHeader: {exc}") from exc
+        elif number == _CHUNK_FIELD and wire == _LEN:
+            part = PushPart(chunk=_chunk_view(raw, view, a, b))
+    return part
+
+
+@dataclass(frozen=True)
+class PullPart:
+    """One ``PullReply``: the version it belongs to and its chunk."""
+
+    version: int
+    chunk: ChunkView
+
+
+def decode_pull_reply(raw: bytes) -> PullPart:
+    """Parse a ``PullReply`` without copying its payload; raises ``CodecError`` if malformed."""
+    view = memoryview(raw)
+    version, chunk = 0, None
+    for number, wire, a, b in _fields(raw, 0, len(raw)):
+        if number == 1 and wire == _VARINT:
+            version = _signed64(a)
+        elif number == _CHUNK_FIELD and wire == _LEN:
+            chunk = _chunk_view(raw, view, a, b)
+    if chunk is None:
+        raise CodecError("a PullReply without a chunk")
+    return PullPart(version, chunk)
+
+
+def _chunk_message(prefix: bytes, chunk: pb.TensorChunk, data: memoryview) -> bytes:
+    """``prefix`` + field 2 holding ``chunk`` with ``data``: the payload's one copy is this join."""
+    header = chunk.SerializeToString()
+    data_head = _DATA_TAG + _encode_varint(len(data))
+    size = len(header) + len(data_head) + len(data)
+    field = bytes([_CHUNK_FIELD << 3 | _LEN]) + _encode_varint(size)
+    return b"".join((prefix, field, header, data_head, data))
+
+
+def encode_push_header(header: pb.PushHeader) -> bytes:
+    return pb.PushRequest(header=header).SerializeToString()
+
+
+def encode_push_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """The ``PushRequest`` chunk messages of ``tensor``, each built straight from its memory."""
+    slicing = _Slicing.of(tensor, chunk_bytes)
+    for start in slicing.starts():
+        yield _chunk_message(b"", *slicing.chunk(start))
+
+
+class EncodedReplies:
+    """The ``PullReply`` messages of one published version, each built on first use and kept.
+
+    A shard publishes a new tensor per version and never writes it again, so every pull of
+    that version (all W workers) is served from these bytes: one copy out of the tensor per
+    version, not per pull. Not thread-safe: one event loop fills it.
+    """
+
+    def __init__(self, version: int, tensor: torch.Tensor, chunk_bytes: int) -> None:
+        self.version = version
+        self.numel = tensor.numel()
+        self._slicing = _Slicing.of(tensor, chunk_bytes)
+        self._prefix = pb.PullReply(version=version).SerializeToString()
+        self._starts = self._slicing.starts()
+        self._messages: list[bytes | None] = [None] * len(self._starts)
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, index: int) -> bytes:
+        message = self._messages[index]
+        if message is None:
+            message = _chunk_message(self._prefix, *self._slicing.chunk(self._starts[index]))
+            self._messages[index] = message
+        return message

@@ -155,7 +155,7 @@ class CheckpointWriter:
             started = time.perf_counter()
             try:
                 save_state(self.directory, state)
-                self._prune()
+                self._prune(state.version)
             except BaseException as exc:  # noqa: BLE001 - surfaced on the next submit and in the log
                 log.exception("shard %d: writing checkpoint of step %d failed", self.shard_id, state.version)
                 self.error = exc
@@ -168,6 +168,9 @@ class CheckpointWriter:
             except Exception as exc:  # noqa: BLE001 - the coordinator may be restarting; it is told again
                 log.warning("shard %d: could not confirm checkpoint %d: %s", self.shard_id, state.version, exc)
 
-    def _prune(self) -> None:
-        for step in written_steps(self.directory, self.shard_id)[: -(self.keep + 1)]:
+    def _prune(self, written: int) -> None:
+        """Keep the ``keep + 1`` newest files up to ``written``; files past it are from a discarded run."""
+        steps = written_steps(self.directory, self.shard_id)
+        stale = [s for s in steps if s > written] + [s for s in steps if s <= written][: -(self.keep + 1)]
+        for step in stale:
             shard_file(self.directory, self.shard_id, step).unlink(missing_ok=True)

@@ -1,21 +1,34 @@
-"""gRPC adapter for a ParameterShard: translate messages, call the shard, map errors."""
+"""gRPC adapter for a ParameterShard: translate messages, call the shard, map errors.
+
+Served by an asyncio server (``start_server(..., aio=True)``) and registered with
+``add_parameter_server``, which installs the data plane's byte-level serializers
+(``protos.codec``) for Push and Pull. Both are ``async`` handlers on the server's event loop:
+
+* Push copies each chunk's payload into a staging buffer as it arrives (the bytes were already
+  on the loop: gRPC's asyncio layer receives them there) and calls the shard in a worker thread,
+  since the shard's lock may be held by an update.
+* Pull waits as a suspended coroutine, not a parked thread, so a shard serves any number of
+  waiting workers. ``_Versions`` follows the shard's published versions with one thread per
+  shard and serves every pull of a version from one encoding of it (``EncodedReplies``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import CodecError, TensorAssembler, encode_chunks
+from pstrain.protos.codec import CodecError, EncodedReplies, PushPart, TensorAssembler, decode_push_request
 from pstrain.ps_server import metrics
-from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.errors import InvalidArgument, NotReady, PsError, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.shard import ParameterShard
-from pstrain.runtime.transport import abort_on_errors
+from pstrain.runtime.transport import abort_on_errors, full_service_name
 
 translate = abort_on_errors(
     {
@@ -29,10 +42,13 @@ translate = abort_on_errors(
 )
 
 DEFAULT_PULL_WAIT_S = 300.0
+PUSHES_STAGED = 8  # pushes receiving at once, each into a shard-sized buffer; the rest wait unread
+FOLLOW_POLL_S = 1.0  # how often the version follower looks whether its server has stopped
 
 
 class _StagingPool:
-    """Reuses the buffers pushes are received into: a 100 MB allocation per push costs page faults."""
+    """Reuses the buffers pushes are received into (at most ``PUSHES_STAGED``): a 100 MB allocation per push
+    costs page faults."""
 
     def __init__(self, numel: int) -> None:
         self._numel = numel
@@ -48,11 +64,105 @@ class _StagingPool:
             self._free.append(buf)
 
 
-class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+class _Versions:
+    """The shard's newest published version, as the event loop's pulls see it.
+
+    One thread waits on the shard (``ParameterShard.read``, which holds the shard's lock only
+    briefly) for each next version and hands it to the loop; pulls await it there. So the loop
+    never blocks on the shard's lock (an update holds it), and waiting pulls hold no thread.
+    A closed shard fails every pull with ``NotReady`` from then on.
+    """
+
+    def __init__(self, shard: ParameterShard, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._shard = shard
+        self._chunk_bytes = chunk_bytes
+        self._loop = loop
+        self._latest: EncodedReplies | None = None
+        self._closed: str | None = None
+        self._changed = asyncio.Event()
+        self._waiting = 0
+        self._waiting_changed = threading.Condition()
+        threading.Thread(target=self._follow, name=f"shard-{shard.shard_id}-versions", daemon=True).start()
+
+    @property
+    def waiting(self) -> int:
+        with self._waiting_changed:
+            return self._waiting
+
+    def wait_until_waiting(self, count: int, timeout_s: float) -> bool:
+        with self._waiting_changed:
+            return self._waiting_changed.wait_for(lambda: self._waiting >= count, timeout_s)
+
+    async def get(self, min_version: int, timeout_s: float) -> EncodedReplies:
+        """The encoded replies of ``min_version`` or newer, once the shard has published it."""
+        deadline = self._loop.time() + timeout_s
+        self._count_waiting(+1)
+        try:
+            while True:
+                if self._closed is not None:
+                    raise NotReady(self._closed)
+                latest = self._latest
+                if latest is not None and latest.version >= min_version:
+                    return latest
+                remaining = deadline - self._loop.time()
+                if remaining <= 0:
+                    at = "no version yet" if latest is None else f"version {latest.version}"
+                    raise WaitTimeout(
+                        f"shard {self._shard.shard_id} is at {at}; version {min_version} did not appear within "
+                        f"{timeout_s:.1f}s (are all {self._shard.workers} workers pushing?)"
+                    )
+                changed = self._changed
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+        finally:
+            self._count_waiting(-1)
+
+    def _count_waiting(self, delta: int) -> None:
+        with self._waiting_changed:
+            self._waiting += delta
+            self._waiting_changed.notify_all()
+
+    def _follow(self) -> None:
+        """The one thread per shard that waits for versions (ends with the loop or the shard)."""
+        want = 0
+        while not self._loop.is_closed():
+            try:
+                with self._shard.read(want, FOLLOW_POLL_S) as (version, published):
+                    pass
+            except WaitTimeout:
+                continue
+            except PsError as exc:  # the shard closed: NotReady
+                self._post(None, None, str(exc))
+                return
+            if not self._post(version, published, None):
+                return
+            want = version + 1
+
+    def _post(self, version: int | None, published: torch.Tensor | None, closed: str | None) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._publish, version, published, closed)
+        except RuntimeError:  # the loop closed: the server has stopped
+            return False
+        return True
+
+    def _publish(self, version: int | None, published: torch.Tensor | None, closed: str | None) -> None:
+        if closed is not None:
+            self._closed = closed
+        else:
+            assert version is not None and published is not None
+            self._latest = EncodedReplies(version, published, self._chunk_bytes)
+        self._changed.set()  # wakes the pulls waiting now; later ones wait on a fresh event
+        self._changed = asyncio.Event()
+
+
+class ParameterServerServicer:
     def __init__(self) -> None:
         self._shard: ParameterShard | None = None
         self._pool: _StagingPool | None = None
         self._chunk_bytes = 0
+        self._versions: _Versions | None = None
+        self._versions_ready = threading.Event()
+        self._staging_slots = asyncio.Semaphore(PUSHES_STAGED)  # binds to the server's loop on first use
 
     def attach(self, shard: ParameterShard, chunk_bytes: int) -> None:
         """Called once the shard holds its initial parameters; until then RPCs are UNAVAILABLE."""
@@ -69,32 +179,47 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise NotReady("this shard has not received its initial parameters yet; retry shortly")
         return self._shard
 
+    @property
+    def pulls_waiting(self) -> int:
+        """Pulls waiting for a version that does not exist yet (for operators and tests)."""
+        return self._versions.waiting if self._versions is not None else 0
+
+    def wait_until_pulls_waiting(self, count: int, timeout_s: float) -> bool:
+        """Block until at least ``count`` pulls wait for a version; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        if not self._versions_ready.wait(timeout_s):
+            return False
+        assert self._versions is not None
+        return self._versions.wait_until_waiting(count, max(0.0, deadline - time.monotonic()))
+
     @translate
-    def Push(self, request_iterator: Iterator[pb.PushRequest], context: grpc.ServicerContext) -> pb.PushReply:
+    async def Push(self, request_iterator: AsyncIterator[PushPart], context: grpc.aio.ServicerContext) -> pb.PushReply:
         shard = self.shard
         started = time.perf_counter()
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        first = await anext(request_iterator, None)
+        if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a PushHeader")
         h = first.header
-        if shard.check_push(h.shard_id, h.worker_id, h.step, h.device_count, h.dtype, h.numel):
+        # The shard's calls go to a thread: they wait for its lock while an update holds it.
+        if await asyncio.to_thread(shard.check_push, h.shard_id, h.worker_id, h.step, h.device_count, h.dtype, h.numel):
             return pb.PushReply(version=shard.version, duplicate=True)
         if h.skip:
-            if next(request_iterator, None) is not None:
+            if await anext(request_iterator, None) is not None:
                 raise InvalidArgument("a push that skips its step carries no payload")
-            result = shard.push(h.worker_id, h.step, None, h.device_count, skip=True)
+            result = await asyncio.to_thread(shard.push, h.worker_id, h.step, None, h.device_count, skip=True)
             return pb.PushReply(version=result.version, completed=result.completed, skipped=result.skipped)
         assert self._pool is not None
-        buf = self._pool.acquire()
-        try:
-            assembler = TensorAssembler(torch.float32, h.numel, out=buf)
-            for message in request_iterator:
-                if message.WhichOneof("kind") != "chunk":
-                    raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
-                assembler.add(message.chunk)
-            result = shard.push(h.worker_id, h.step, assembler.result(), h.device_count)
-        finally:
-            self._pool.release(buf)
+        async with self._staging_slots:
+            buf = self._pool.acquire()
+            try:
+                assembler = TensorAssembler(torch.float32, h.numel, out=buf)
+                async for part in request_iterator:
+                    if part.chunk is None:
+                        raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
+                    assembler.add(part.chunk)
+                result = await asyncio.to_thread(shard.push, h.worker_id, h.step, assembler.result(), h.device_count)
+            finally:
+                self._pool.release(buf)
         metrics.BYTES_PUSHED.inc(h.numel * 4)
         metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
         if result.completed:
@@ -104,18 +229,25 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         )
 
     @translate
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullReply]:
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         shard = self.shard
         if request.shard_id != shard.shard_id:
             raise InvalidArgument(f"pull for shard {request.shard_id} reached shard {shard.shard_id}")
         started = time.perf_counter()
         remaining = context.time_remaining()
         wait_s = DEFAULT_PULL_WAIT_S if remaining is None else max(0.0, remaining)
-        with shard.read(request.min_version, wait_s) as (version, params):
-            for chunk in encode_chunks(params, self._chunk_bytes):
-                yield pb.PullReply(version=version, chunk=chunk)
-        metrics.BYTES_PULLED.inc(shard.numel * 4)
+        replies = await self._versions_of(shard).get(request.min_version, wait_s)
+        for index in range(len(replies)):
+            yield replies[index]
+        metrics.BYTES_PULLED.inc(replies.numel * 4)
         metrics.PULL_SECONDS.observe(time.perf_counter() - started)
+
+    def _versions_of(self, shard: ParameterShard) -> _Versions:
+        """Made by the first pull, on the event loop (the only thread that touches it after)."""
+        if self._versions is None:
+            self._versions = _Versions(shard, self._chunk_bytes, asyncio.get_running_loop())
+            self._versions_ready.set()
+        return self._versions
 
     @translate
     def GetShardStatus(self, request: pb.ShardStatusRequest, context: grpc.ServicerContext) -> pb.ShardStatus:
@@ -130,3 +262,33 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             bytes_held=s.bytes_held,
             optimizer=s.optimizer,
         )
+
+
+def _as_is(message: bytes) -> bytes:
+    """Pull replies leave the servicer already encoded (``EncodedReplies``)."""
+    return message
+
+
+def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
+    """Register the ParameterServer service with the data plane's serializers (for ``start_server``).
+
+    The generated ``add_ParameterServerServicer_to_server`` would parse and build protobuf
+    objects; these handlers take Push messages apart in place and send Pull replies as the
+    bytes ``EncodedReplies`` made. The wire format is the same.
+    """
+    handlers = {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=decode_push_request, response_serializer=pb.PushReply.SerializeToString
+        ),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=_as_is
+        ),
+        "GetShardStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetShardStatus,
+            request_deserializer=pb.ShardStatusRequest.FromString,
+            response_serializer=pb.ShardStatus.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(full_service_name("ParameterServer"), handlers),)
+    )

@@ -20,13 +20,15 @@ Determinism: contributions are summed in worker order whatever order they arrive
 one from a higher worker id waits in a side buffer), so a step's result does not depend on
 timing and a resumed run equals an uninterrupted one bit for bit.
 
-Pulls are served from the published copy of the parameters, which an update never writes
-(it publishes a new one), so a slow reader never holds up a step and the checkpoint snapshot
-of the parameters costs nothing extra.
+Pulls are served from a published copy of the parameters that an update never writes while a
+reader holds it: the update copies into the other of two buffers and publishes that one (a
+buffer still held by a stalled reader is left to it and a new one allocated), so a slow reader
+never holds up a step.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,8 +41,10 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.checkpoint import ShardState
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
-from pstrain.ps_server.optimizer import build_optimizer
+from pstrain.ps_server.optimizer import build_optimizer, step_on_mean
 from pstrain.runtime.schedule import learning_rate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,9 @@ class ParameterShard:
         self.workers = workers
         self._schedule = schedule
         self._param = torch.nn.Parameter(initial.clone(), requires_grad=True)
-        self._published = self._param.detach().clone()  # what pulls read; never written after publishing
+        self._published = self._param.detach().clone()  # what pulls read; never written while a reader holds it
+        self._spare: torch.Tensor | None = None  # the previously published buffer, reused once no reader holds it
+        self._readers: dict[int, int] = {}  # id(published buffer) -> readers holding it
         self._accum = torch.zeros_like(initial)
         self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version))
         if optimizer_state is not None:
@@ -225,7 +231,11 @@ class ParameterShard:
             result = PushResult(self._version, False, True, update_s=update_s, skipped=skipped)
         if snapshot is not None:
             assert self._checkpoints is not None
-            self._checkpoints.on_snapshot(snapshot)
+            self._checkpoints.on_snapshot(snapshot)  # may wait for the previous write (backpressure)
+            blocked_s = time.perf_counter() - started - update_s
+            log.info(
+                "shard %d: checkpoint of step %d held training for %.4fs", self.shard_id, snapshot.version, blocked_s
+            )
         return result
 
     def _sum_in_order(self) -> None:
@@ -261,13 +271,12 @@ class ParameterShard:
         if skipped:
             self._skipped_steps += 1
         else:
-            devices = sum(self._pending.values())
-            self._param.grad = self._accum.div_(devices)
+            self._param.grad = self._accum  # the device sum; the fused step divides as it reads (one pass)
             for group in self._optimizer.param_groups:
                 group["lr"] = learning_rate(self._schedule, self._version)
-            self._optimizer.step()
+            step_on_mean(self._optimizer, sum(self._pending.values()))
             self._param.grad = None
-            self._published = self._param.detach().clone()
+            self._publish()
         self._pending.clear()
         self._summed = 0
         self._has_sum = False
@@ -275,6 +284,19 @@ class ParameterShard:
         self._version += 1
         self._cond.notify_all()
         return skipped
+
+    def _publish(self) -> None:
+        """Copy the parameters into a buffer no reader holds and publish it (double buffering).
+
+        Reusing the spare buffer costs a memcpy; a fresh 100 MB allocation per step would cost
+        page faults several times that. A reader still holding the spare (a stalled pull) keeps
+        it: the shard then allocates instead of waiting.
+        """
+        spare = self._spare
+        if spare is None or self._readers.get(id(spare)):
+            spare = torch.empty_like(self._published)
+        spare.copy_(self._param.detach())
+        self._spare, self._published = self._published, spare
 
     # ------------------------------------------------------------------ pull
 
@@ -299,7 +321,14 @@ class ParameterShard:
                     )
                 self._cond.wait(remaining)
             version, published = self._version, self._published
-        yield version, published
+            self._readers[id(published)] = self._readers.get(id(published), 0) + 1
+        try:
+            yield version, published
+        finally:
+            with self._cond:
+                left = self._readers.pop(id(published)) - 1
+                if left:
+                    self._readers[id(published)] = left
 
     def parameters(self) -> tuple[int, torch.Tensor]:
         """A copy of the current parameters and their version (for tests and checkpoints)."""
@@ -314,14 +343,15 @@ class ParameterShard:
             return self._checkpoint_state()
 
     def _checkpoint_state(self) -> ShardState:
-        """Called with the lock held: the published parameters are shared, the optimizer state copied."""
+        """Called with the lock held: parameters and optimizer state copied (the writer holds them a while)."""
         optimizer = self._optimizer.state_dict()
         state = {
             index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
             for index, entry in optimizer["state"].items()
         }
         copied = {"state": state, "param_groups": [dict(g) for g in optimizer["param_groups"]]}
-        return ShardState(self.shard_id, self.start, self.end, self._version, self._published, copied)
+        params = self._published.clone()
+        return ShardState(self.shard_id, self.start, self.end, self._version, params, copied)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -343,7 +373,8 @@ class ParameterShard:
                 for t in state.values()
                 if isinstance(t, torch.Tensor)
             )
-            held = (self._param.numel() + self._published.numel() + self._accum.numel()) * 4 + state_bytes
+            buffers = 4 if self._spare is not None else 3  # parameters, published (+ spare), accumulator
+            held = self._param.numel() * buffers * 4 + state_bytes
             return ShardSnapshot(
                 self.shard_id,
                 self.start,

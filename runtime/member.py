@@ -27,6 +27,7 @@ import enum
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -44,12 +45,17 @@ from pstrain.runtime.lifecycle import (
     wait_until_reachable,
     write_port_file,
 )
+from pstrain.runtime.memory_trend import MemoryGuard, host_memory_limit, rss_bytes
 from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.security import SecurityError, TransportSecurity, security_from_args
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, ServingServer, host_of, open_channel, start_server
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+EXIT_JOB_FAILED = 3
+"""The job failed for a reason a restart would repeat (a non-finite loss under ``fault.on_nonfinite:
+stop``, or the coordinator aborted the job): a launcher restarts nothing on 2 or 3."""
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (SecurityError, 2),  # settings that cannot work: retrying will not help
@@ -103,11 +109,13 @@ class MemberServer:
 
 
 def start_member_server(
-    args: argparse.Namespace, register: list[tuple[object, object]], service_names: list[str]
+    args: argparse.Namespace, register: list[tuple[object, object]], service_names: list[str], aio: bool = False
 ) -> MemberServer:
-    """Serve (health NOT_SERVING) and start metrics with the common flags; raises SecurityError."""
+    """Serve (health NOT_SERVING) and start metrics with the common flags; raises SecurityError.
+
+    ``aio``: an asyncio server (``transport.start_server``), for services with ``async`` handlers."""
     security = security_from_args(args)
-    server = start_server(args.bind, register, service_names, security)
+    server = start_server(args.bind, register, service_names, security, aio=aio)
     host = getattr(args, "advertise_host", None)
     metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
     metrics_address = advertised_address(args.bind, metrics_port, host) if metrics_port > 0 else ""
@@ -119,6 +127,7 @@ class MemberProcess:
 
     ``fatal_errors`` are the member's own expected failures (a bad device list, a model
     factory that does not match): logged and exit 1 like RPC and connection failures.
+    ``aio`` serves ``register`` from an asyncio server (the parameter server's waiting pulls).
     """
 
     def __init__(
@@ -129,6 +138,7 @@ class MemberProcess:
         service_names: list[str],
         fatal_errors: tuple[type[Exception], ...] = (),
         signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+        aio: bool = False,
     ) -> None:
         self.args = args
         self.role = role  # "ps" | "worker", as the coordinator's Heartbeat names it
@@ -140,7 +150,9 @@ class MemberProcess:
         self._service_names = service_names
         self._exit_codes = (*EXIT_CODES, *((error, 1) for error in fatal_errors))
         self._signals = signals
+        self._aio = aio
         self._heartbeat_off = threading.Event()
+        self.memory_guard = MemoryGuard(time.monotonic, host_memory_limit)  # S2.4: this process against its limit
         self._resources = ExitStack()
         self._server: MemberServer | None = None
         self._channel: grpc.Channel | None = None
@@ -170,7 +182,9 @@ class MemberProcess:
 
         A FAILED job sets ``aborted`` and ``stop``. A job that ended otherwise sets ``stop`` only
         with ``stop_when_job_ends``: a PS lives as long as the job, while a worker finishes on its
-        own (worker 0 still uploads the model buffers) and must not be cut short.
+        own (worker 0 still uploads the model buffers) and must not be cut short. Each beat carries
+        this process's RSS (the coordinator's PS memory forecast, S2.4) and checks its trend against
+        this process's own limit (``memory_guard``), which the coordinator cannot see.
         """
         if self.heartbeat is not None:
             raise RuntimeError("the heartbeat is already running")
@@ -198,7 +212,7 @@ class MemberProcess:
     def run(self, body: Callable[[MemberProcess], int]) -> int:
         """Serve, reach the coordinator, run ``body(self)``, drain; returns the exit code."""
         try:
-            self._server = start_member_server(self.args, self._register, self._service_names)
+            self._server = start_member_server(self.args, self._register, self._service_names, self._aio)
         except SecurityError as exc:
             self._enter(MemberState.STOPPED)
             return self._exit_code(exc)
@@ -239,6 +253,8 @@ class MemberProcess:
 
     def _heartbeat_loop(self, request: pb.HeartbeatRequest, interval_s: float, stop_when_job_ends: bool) -> None:
         while not self._heartbeat_off.wait(interval_s):
+            request.rss_bytes = rss_bytes()
+            self.memory_guard.observe(request.rss_bytes)
             try:
                 directive = self.coordinator.Heartbeat(request, timeout=CONTROL_TIMEOUT_S)
             except grpc.RpcError as exc:

@@ -9,8 +9,18 @@ adding an entry (and its name to ``OptimizerName``):
 * whether it is Adam-type (its step is normalised per element): ``lr_scaling: auto`` picks sqrt;
 * the torch builder a PS shard calls for its one flat Parameter.
 
+Every builder asks torch for its fused kernel (``fused=True``; torch has CPU ones for SGD, Adam
+and AdamW): one pass over parameter, gradient and state, where the default for-loop kernel
+makes three to six (``bench/update.py``). The fused kernels vectorise the same arithmetic but
+round a few elements differently from the for-loop ones (SGD: the odd element in the unvectorised
+tail, by one ulp; Adam/AdamW: more elements, a few ulps), inside the 1e-6 relative the shard
+tests hold the update to (``tests/test_optimizers.py``). The fused kernels also take a
+``grad_scale`` to divide the gradient by as they read it, which is how a shard turns its device
+sum into the mean without a separate pass (``pstrain.ps_server.optimizer.step_on_mean``).
+
 The entries here are elementwise: applied to a slice of the flat parameter vector they give
-bit-for-bit what they give applied to the whole model, which is what makes sharding exact. A
+what they give applied to the whole model, which is what makes sharding exact (to the rounding
+above: an element that falls in a slice's unvectorised tail may differ by an ulp). A
 layer-wise optimizer (LARS, LAMB) needs the layer boundaries inside a shard's slice as well; its
 entry's builder would take them as one more argument.
 """
@@ -79,7 +89,7 @@ def _nesterov_needs_momentum(options: Options) -> None:
 class OptimizerEntry:
     name: str
     build: Builder
-    """``build(param, lr, options)``: the torch optimizer over one flat Parameter."""
+    """``build(param, lr, options)``: the torch optimizer (fused kernel) over one flat Parameter."""
     options: tuple[str, ...]
     """Job-file keys under ``optimizer`` this optimizer reads, besides ``lr``."""
     state_tensors: int
@@ -108,15 +118,18 @@ def _sgd(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimi
         dampening=o["dampening"],
         nesterov=o["nesterov"],
         weight_decay=o["weight_decay"],
+        fused=True,
     )
 
 
 def _adam(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimizer:
-    return torch.optim.Adam([param], lr=lr, betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
+    betas = tuple(o["betas"])
+    return torch.optim.Adam([param], lr=lr, betas=betas, eps=o["eps"], weight_decay=o["weight_decay"], fused=True)
 
 
 def _adamw(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([param], lr=lr, betas=tuple(o["betas"]), eps=o["eps"], weight_decay=o["weight_decay"])
+    betas = tuple(o["betas"])
+    return torch.optim.AdamW([param], lr=lr, betas=betas, eps=o["eps"], weight_decay=o["weight_decay"], fused=True)
 
 
 _ADAM_OPTIONS = ("betas", "eps", "weight_decay")

@@ -3,6 +3,9 @@
 ``push`` slices a flat vector by the shard map and streams every slice to its shard at
 once, returning a handle to wait on; ``pull`` waits for a version and streams every shard's
 range straight into the caller's buffer. Used by workers and by the coordinator's export.
+Push and Pull use the data plane's byte-level serializers (``protos.codec``): a push's
+payload is copied once, out of the caller's vector into each message, and a pull's once, out
+of each received message into the caller's buffer.
 
 Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
 raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
@@ -20,8 +23,15 @@ import grpc
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import DEFAULT_CHUNK_BYTES, TensorAssembler, encode_chunks
+from pstrain.protos.codec import (
+    DEFAULT_CHUNK_BYTES,
+    CodecError,
+    PullPart,
+    TensorAssembler,
+    decode_pull_reply,
+    encode_push_chunks,
+    encode_push_header,
+)
 from pstrain.runtime.ps_api import (
     Cancelled,
     InvalidRequest,
@@ -39,7 +49,7 @@ from pstrain.runtime.ps_api import (
 )
 from pstrain.runtime.security import INSECURE, TransportSecurity
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
-from pstrain.runtime.transport import open_channel
+from pstrain.runtime.transport import full_service_name, open_channel
 
 T = TypeVar("T")
 
@@ -51,6 +61,34 @@ ERRORS: dict[grpc.StatusCode, type[PsClientError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: WaitTimeout,
     grpc.StatusCode.CANCELLED: Cancelled,
 }
+
+
+_SERVICE = full_service_name("ParameterServer")
+
+
+def _as_is(message: bytes) -> bytes:
+    """Push requests leave ``_push_one`` already encoded."""
+    return message
+
+
+def _pull_reply(raw: bytes) -> PullPart | CodecError:
+    """Parse a reply in gRPC's thread; a malformed one is raised by the reader, not lost in gRPC."""
+    try:
+        return decode_pull_reply(raw)
+    except CodecError as exc:
+        return exc
+
+
+class _ShardStub:
+    """Push and Pull of one shard's channel, with the data plane's serializers."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.Push = channel.stream_unary(
+            f"/{_SERVICE}/Push", request_serializer=_as_is, response_deserializer=pb.PushReply.FromString
+        )
+        self.Pull = channel.unary_stream(
+            f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_pull_reply
+        )
 
 
 class PsClient:
@@ -74,7 +112,7 @@ class PsClient:
         self._closed = threading.Event()
         self._cancelled = threading.Event()
         self._channels = [open_channel(a, security) for a in addresses]
-        self._stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._stubs = [_ShardStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
 
     def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
@@ -141,12 +179,10 @@ class PsClient:
             skip=piece is None,
         )
 
-        def requests() -> Iterator[pb.PushRequest]:
-            yield pb.PushRequest(header=header)
-            if piece is None:
-                return
-            for chunk in encode_chunks(piece, self._chunk_bytes):
-                yield pb.PushRequest(chunk=chunk)
+        def requests() -> Iterator[bytes]:
+            yield encode_push_header(header)
+            if piece is not None:
+                yield from encode_push_chunks(piece, self._chunk_bytes)
 
         reply = self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s)
         return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
@@ -156,6 +192,8 @@ class PsClient:
         version = -1
         request = pb.PullRequest(shard_id=r.shard_id, min_version=min_version)
         for reply in self._stubs[r.shard_id].Pull(request, timeout=self._pull_timeout_s):
+            if isinstance(reply, CodecError):
+                raise reply
             version = reply.version
             assembler.add(reply.chunk)
         assembler.result()

@@ -204,3 +204,12 @@ def build_wheel(dest: Path) -> Path:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (wheel,) = (dest / "dist").glob("pstrain-*.whl")
     return wheel
+
+
+def nan_set(n: int = 16, nan_at: int = 0) -> TensorDataset:
+    """``classification_set`` whose sample ``nan_at`` has NaN inputs: any batch holding it has a NaN
+    loss and gradient (with ``shuffle: false`` the step that reads it is known)."""
+    inputs, targets = classification_set(n).tensors
+    inputs = inputs.clone()
+    inputs[nan_at] = float("nan")
+    return TensorDataset(inputs, targets)

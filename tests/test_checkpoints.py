@@ -130,17 +130,22 @@ def template(shards: int = 2, digest: str = "abc") -> Manifest:
     )
 
 
-def test_ledger_commits_only_when_every_shard_confirmed(tmp_path):
+def test_ledger_commits_only_when_every_shard_confirmed_and_the_step_is_recorded(tmp_path):
     ledger = CheckpointLedger(tmp_path, template(shards=3), keep=2)
-    assert ledger.confirm(0, 5) is None and ledger.confirm(2, 5) is None
-    assert committed_steps(tmp_path) == []
-    manifest = ledger.confirm(1, 5)
+    ledger.confirm(0, 5)
+    ledger.confirm(2, 5)
+    assert ledger.commit(completed_steps=9) is None and committed_steps(tmp_path) == []
+    ledger.confirm(1, 5)
+    assert ledger.commit(completed_steps=4) is None  # step 4's record is not in metrics.jsonl yet
+    manifest = ledger.commit(completed_steps=5)
     assert manifest is not None and manifest.step == 5 and committed_steps(tmp_path) == [5]
-    assert ledger.confirm(1, 5) is None  # repeated after the commit: nothing new
+    ledger.confirm(1, 5)  # repeated after the commit: nothing new
+    assert ledger.commit(completed_steps=5) is None
     for step in (10, 15):
         for shard in range(3):
             ledger.confirm(shard, step)
-    assert committed_steps(tmp_path) == [10, 15]  # keep
+    assert ledger.commit(completed_steps=20).step == 15  # type: ignore[union-attr]
+    assert committed_steps(tmp_path) == [5, 15]  # the newest ready step; keep 2
     assert newest_manifest(tmp_path, "abc").step == 15  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="out of range"):
         ledger.confirm(3, 20)
@@ -150,6 +155,7 @@ def test_newest_manifest_refuses_another_job_file(tmp_path):
     assert newest_manifest(tmp_path, "abc") is None
     ledger = CheckpointLedger(tmp_path, template(shards=1), keep=1)
     ledger.confirm(0, 4)
+    ledger.commit(4)
     with pytest.raises(CheckpointMismatch, match="another job file"):
         newest_manifest(tmp_path, "other")
 
@@ -175,3 +181,15 @@ def test_pruned_shard_files_keep_every_committed_checkpoint(tmp_path: Path):
     for step in committed_steps(tmp_path):
         for s in (0, 1):
             assert load_state(tmp_path, s, 0, 10, step).version == step
+
+
+def test_a_writer_drops_files_of_a_discarded_run_past_its_step(tmp_path):
+    """After --fresh, files of the old run's later steps would outrank the new ones: they go."""
+    for step in (40, 50):
+        save_state(tmp_path, state(step))
+    done = threading.Event()
+    writer = CheckpointWriter(tmp_path, 0, keep=2, on_written=lambda step: done.set())
+    writer.submit(state(5))
+    assert done.wait(30)
+    writer.close()
+    assert written_steps(tmp_path, 0) == [5]

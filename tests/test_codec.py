@@ -5,10 +5,16 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos.codec import (
     TORCH_TO_WIRE,
     CodecError,
+    EncodedReplies,
+    PushPart,
     TensorAssembler,
     decode_named_tensors,
+    decode_pull_reply,
+    decode_push_request,
     encode_chunks,
     encode_named_tensors,
+    encode_push_chunks,
+    encode_push_header,
 )
 
 
@@ -107,3 +113,73 @@ def test_named_tensor_sent_twice_is_rejected():
     chunks += list(encode_named_tensors({"x": torch.ones(2)}))
     with pytest.raises(CodecError, match="sent twice"):
         decode_named_tensors(iter(chunks))
+
+
+# ---------------------------------------------------------------------- data-plane messages as bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16])
+@pytest.mark.parametrize("shape, chunk_bytes", [((0,), 8), ((7,), 8), ((3, 5), 1 << 20), ((1001,), 64)])
+def test_push_messages_are_the_protobuf_encoding(dtype, shape, chunk_bytes):
+    tensor = sample(dtype, shape)
+    raw = list(encode_push_chunks(tensor, chunk_bytes))
+    expected = list(encode_chunks(tensor, chunk_bytes))
+    assert [pb.PushRequest.FromString(m) for m in raw] == [pb.PushRequest(chunk=c) for c in expected]
+    parts = [decode_push_request(m) for m in raw]
+    assert all(p.header is None for p in parts)
+    assembler = TensorAssembler(dtype, tensor.numel())
+    for part in parts:
+        assert isinstance(part.chunk.data, memoryview)  # a view of the message: no copy
+        assembler.add(part.chunk)
+    assert torch.equal(assembler.result().view(shape), tensor)
+    assert parts[0].chunk.shape == shape and parts[0].chunk.dtype == TORCH_TO_WIRE[dtype]
+
+
+def test_push_header_and_messages_protobuf_wrote_decode_alike():
+    header = pb.PushHeader(shard_id=1, worker_id=2, step=-3, device_count=4, dtype=pb.FLOAT32, numel=5, skip=True)
+    assert decode_push_request(encode_push_header(header)).header == header
+    assert decode_push_request(pb.PushRequest(header=header).SerializeToString()).header == header
+    chunk = pb.TensorChunk(name="w", dtype=pb.INT16, shape=[2, -1], offset=-7, data=b"abcd")
+    written = pb.PushRequest(chunk=chunk).SerializeToString()
+    unknown_fields = b"\x48\x01" + b"\x55\x00\x00\x00\x00"  # field 9 varint, field 10 fixed32: skipped
+    view = decode_push_request(written + unknown_fields).chunk
+    assert (view.name, view.dtype, view.shape, view.offset, bytes(view.data)) == ("w", pb.INT16, (2, -1), -7, b"abcd")
+    assert decode_push_request(b"") == PushPart()
+    last_wins = decode_push_request(encode_push_header(header) + written)
+    assert last_wins.header is None and bytes(last_wins.chunk.data) == b"abcd"
+
+
+def test_pull_replies_are_encoded_once_per_version():
+    tensor = torch.arange(10, dtype=torch.float32)
+    replies = EncodedReplies(7, tensor, 16)
+    assert len(replies) == 3 and replies[1] is replies[1]  # built once, then kept
+    parsed = [pb.PullReply.FromString(replies[i]) for i in range(len(replies))]
+    assert [p.version for p in parsed] == [7, 7, 7]
+    assert [p.chunk for p in parsed] == list(encode_chunks(tensor, 16))
+    out = torch.empty(10)
+    assembler = TensorAssembler(torch.float32, 10, out=out)
+    for i in range(len(replies)):
+        part = decode_pull_reply(replies[i])
+        assert part.version == 7
+        assembler.add(part.chunk)
+    assert torch.equal(assembler.result(), tensor)
+    assert decode_pull_reply(EncodedReplies(0, torch.zeros(0), 16)[0]).chunk.data.nbytes == 0
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"\x12\x05\x10\x01", "runs past its end"),  # the chunk claims 5 bytes, 2 follow
+        (b"\x12\x02\x20\xff", "varint"),  # the offset's varint never ends
+        (b"\x13", "wire type 3"),  # groups are not part of proto3
+        (b"\x0a\x02\x08\xff", "PushHeader"),  # a header whose varint is cut off
+    ],
+)
+def test_malformed_push_messages_are_codec_errors(raw, message):
+    with pytest.raises(CodecError, match=message):
+        decode_push_request(raw)
+
+
+def test_a_pull_reply_without_a_chunk_is_a_codec_error():
+    with pytest.raises(CodecError, match="without a chunk"):
+        decode_pull_reply(pb.PullReply(version=3).SerializeToString())

@@ -72,3 +72,73 @@ def test_a_requeued_data_shard_is_counted_as_todo_and_completed_by_its_new_holde
     tracker.complete(0, again.data_shard_id)
     assert tracker.counts() == DataShardCounts(todo=3, doing=0, done=1)
     assert tracker.requeue(0) == []
+
+
+def consume(tracker: DataShardTracker, worker: int, count: int, queues: dict[int, list[int]]) -> list[int]:
+    """What a worker's DataFeed does: take ``count`` samples, asking for data shards as needed."""
+    queue = queues.setdefault(worker, [])
+    while len(queue) < count:
+        queue.extend(tracker.dispatch(worker).indices)
+    taken, queues[worker] = queue[:count], queue[count:]
+    return taken
+
+
+def test_each_slot_gets_its_own_sequence_whatever_the_request_order():
+    a = DataShardTracker(23, 4, True, seed=2, slots=2)
+    b = DataShardTracker(23, 4, True, seed=2, slots=2)
+    first = [a.dispatch(0).data_shard_id for _ in range(3)] + [a.dispatch(1).data_shard_id for _ in range(3)]
+    assert first == [0, 2, 4, 1, 3, 5]
+    interleaved = [b.dispatch(w).data_shard_id for w in (1, 0, 1, 1, 0, 0)]
+    assert sorted(interleaved) == sorted(first) and [i for i in interleaved if i % 2 == 0] == [0, 2, 4]
+
+
+def test_steps_are_the_same_samples_whatever_the_timing():
+    """The samples of each step depend on (seed, epoch, slot, step), not on who asked first."""
+
+    def steps(order: list[int]) -> list[list[int]]:
+        tracker = DataShardTracker(23, 3, True, seed=4, slots=2)
+        queues: dict[int, list[int]] = {}
+        per_step: list[dict[int, list[int]]] = []
+        counters = {0: 0, 1: 0}
+        for worker in order:
+            step = counters[worker]
+            counters[worker] += 1
+            while len(per_step) <= step:
+                per_step.append({})
+            per_step[step][worker] = consume(tracker, worker, 5, queues)
+        return [sorted(s[0] + s[1]) for s in per_step]
+
+    assert steps([0, 1] * 12) == steps([0] * 12 + [1] * 12) == steps([1, 1, 0] * 4 + [0] * 8 + [1] * 4)
+
+
+def test_resume_continues_exactly_where_an_uninterrupted_run_is():
+    reference = DataShardTracker(23, 3, True, seed=7, slots=2)
+    ref_queues: dict[int, list[int]] = {}
+    ref_steps = [[consume(reference, w, 5, ref_queues) for w in (0, 1)] for _ in range(12)]
+    for t in (0, 1, 4, 7):
+        resumed = DataShardTracker(23, 3, True, seed=7, slots=2)
+        resumed.resume(t, 5)
+        queues: dict[int, list[int]] = {}
+        assert [[consume(resumed, w, 5, queues) for w in (0, 1)] for _ in range(12 - t)] == ref_steps[t:]
+    used = DataShardTracker(23, 3, True, seed=7, slots=2)
+    used.dispatch(0)
+    with pytest.raises(RuntimeError, match="fresh tracker"):
+        used.resume(2, 5)
+
+
+def test_every_sample_once_per_epoch_across_slots():
+    tracker = DataShardTracker(23, 3, True, seed=1, slots=2)
+    seen: dict[int, list[int]] = {}
+    dispatch = tracker.dispatch
+
+    def recording(worker_id: int):  # type: ignore[no-untyped-def]
+        data_shard = dispatch(worker_id)
+        seen.setdefault(data_shard.epoch, []).extend(data_shard.indices)
+        return data_shard
+
+    tracker.dispatch = recording  # type: ignore[method-assign]
+    queues: dict[int, list[int]] = {}
+    for _ in range(8):
+        for worker in (0, 1):
+            consume(tracker, worker, 5, queues)
+    assert sorted(seen[0]) == list(range(23))  # epoch 0's 8 data shards went out exactly once

@@ -5,7 +5,6 @@ datasets hold exactly one global batch, so every step trains on all of it and th
 cannot matter; ``test_data_spanning_data_shards_and_epochs`` checks the data split end to end.
 """
 
-import itertools
 import json
 import subprocess
 import sys
@@ -194,12 +193,12 @@ def test_the_masters_probe_does_not_disturb_training(tmp_path):
 
 # ---------------------------------------------------------------- several data shards and epochs
 #
-# Workers ask the coordinator for data shards on demand, so which worker trains which shard, and
-# therefore which samples make up a step when a shard straddles two steps, depends on who asks
-# first. The test records every worker's reads and checks them against the coordinator's
-# contract instead of assuming one order: the shards are each epoch's seeded permutation cut
-# into ``shard_size`` pieces, dispatched in order, each trained exactly once, a worker's step
-# taking its shards' samples in order. The model must then equal plain SGD on the recorded steps.
+# Data order is a function of (seed, epoch, worker slot, step): each epoch is a permutation seeded
+# by (seed, epoch) cut into ``shard_size`` data shards, and worker slot w trains data shards w,
+# w + W, w + 2W, ... in order, whenever it asks. The test records every worker's reads, checks
+# them against that contract (so a shard straddling two steps, or an epoch boundary inside a
+# step, lands exactly where the contract says) and compares the model with plain SGD on the same
+# global batches.
 
 SPAN_N = 28  # 3.5 global batches of 8
 SPAN_SHARD = 3  # smaller than a worker's step batch of 4 and not dividing it; 10 shards an epoch, the last of 1
@@ -209,7 +208,7 @@ SPAN_SEED = 3
 
 
 def coordinator_data_shards(n: int, size: int, seed: int, epochs: int) -> list[list[int]]:
-    """The data shards in dispatch order: per epoch a permutation seeded by (seed, epoch), cut in order."""
+    """Data shards by id: per epoch a permutation seeded by (seed, epoch), cut in order."""
     shards = []
     for epoch in range(epochs):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -218,32 +217,11 @@ def coordinator_data_shards(n: int, size: int, seed: int, epochs: int) -> list[l
     return shards
 
 
-def assign_data_shards(reads: list[list[int]], shards: list[list[int]]) -> list[list[int]]:
-    """Data shard ids per worker such that the workers' reads are exactly their shards in order.
-
-    Each shard goes to one worker, shards 0..M-1 are all taken (none skipped), and only a
-    worker's last shard may be read partly (the job ended). Searches every assignment, since a
-    short shard's samples can match at two workers; fails when none explains the reads.
-    """
-
-    def place(next_id: int, positions: tuple[int, ...], taken: tuple[tuple[int, ...], ...]):  # type: ignore[no-untyped-def]
-        if all(pos == len(r) for pos, r in zip(positions, reads, strict=True)):
-            return [list(t) for t in taken]
-        if next_id == len(shards):
-            return None
-        shard = shards[next_id]
-        for w, r in enumerate(reads):
-            piece = r[positions[w] : positions[w] + len(shard)]
-            if piece and piece == shard[: len(piece)]:
-                moved = positions[:w] + (positions[w] + len(piece),) + positions[w + 1 :]
-                found = place(next_id + 1, moved, taken[:w] + (taken[w] + (next_id,),) + taken[w + 1 :])
-                if found is not None:
-                    return found
-        return None
-
-    found = place(0, (0,) * len(reads), ((),) * len(reads))
-    assert found is not None, f"the workers' reads are not the coordinator's data shards in order: {reads}"
-    return found
+def slot_samples(shards: list[list[int]], slot: int, slots: int, count: int) -> list[int]:
+    """The first ``count`` samples worker slot ``slot`` trains: its data shards in order, concatenated."""
+    samples = [i for shard in shards[slot::slots] for i in shard]
+    assert len(samples) >= count, "generate more epochs"
+    return samples[:count]
 
 
 def test_data_spanning_data_shards_and_epochs(tmp_path):
@@ -270,17 +248,18 @@ def test_data_spanning_data_shards_and_epochs(tmp_path):
     assert len(reads) == WORKERS, "only the workers read samples, each its own"
     assert [len(r) for r in reads] == [SPAN_STEPS * step_batch] * WORKERS
 
-    shards = coordinator_data_shards(SPAN_N, SPAN_SHARD, SPAN_SEED, epochs=4)
+    shards = coordinator_data_shards(SPAN_N, SPAN_SHARD, SPAN_SEED, epochs=6)
     per_epoch = -(-SPAN_N // SPAN_SHARD)
-    taken = assign_data_shards(reads, shards)
+    expected = [slot_samples(shards, w, WORKERS, SPAN_STEPS * step_batch) for w in range(WORKERS)]
+    assert sorted(reads) == sorted(expected), "each worker's reads are its slot's data shards, in order"
+    slots = [expected.index(r) for r in reads]
     read_in_full = {
         shard_id
-        for worker, ids in zip(reads, taken, strict=True)
-        for shard_id, end in zip(ids, itertools.accumulate(len(shards[i]) for i in ids), strict=True)
-        if end <= len(worker)
+        for shard_id in range(len(shards))
+        if sum(len(s) for s in shards[shard_id % WORKERS : shard_id + 1 : WORKERS]) <= SPAN_STEPS * step_batch
     }
     assert set(range(2 * per_epoch)) <= read_in_full, "every sample of the first two epochs trained exactly once"
-    assert all(len(ids) >= 2 for ids in taken), "every worker trained more than one data shard"
+    reads = [reads[slots.index(w)] for w in range(WORKERS)]  # in slot order, as the reference sums them
 
     torch.manual_seed(SPAN_SEED)
     model = odd_mlp()

@@ -48,16 +48,18 @@ def test_a_crashing_worker_stops_the_cluster(tmp_path):
         tmp_path / "job.yaml",
         data={"factory": "tests.helpers:failing_set", "kwargs": {"n": 64, "fail_at": 10}, "shard_size": 8},
         job={"steps": 50, "seed": 0},
+        fault={"max_restarts": 1, "restart_backoff_s": 0.1},
     )
     marker = uuid.uuid4().hex
     result = run_local(job, tmp_path / "out", marker)
     assert result.returncode == 1
     assert "exited with code 1" in result.stderr and "injected failure reading sample 10" in result.stderr
+    assert "restart 1 of 1" in result.stderr and "gave up after 1 restart(s)" in result.stderr
     assert not pids_with_marker(marker)
 
 
-def test_a_killed_parameter_server_stops_the_cluster(tmp_path):
-    job = write_job(tmp_path / "job.yaml", job={"steps": 100000, "seed": 0})
+def test_a_killed_parameter_server_stops_the_cluster_when_restarts_are_off(tmp_path):
+    job = write_job(tmp_path / "job.yaml", job={"steps": 100000, "seed": 0}, fault={"max_restarts": 0})
     marker = uuid.uuid4().hex
     proc = start_local(job, tmp_path / "out", marker)
     try:

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.ps_server.local_client import LocalPsClient
-from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.ps_api import (
     Cancelled,
@@ -71,9 +70,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     if request.param == "grpc":
         for shard in shards:
             servicer = ParameterServerServicer()
-            server = start_server(
-                "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
-            )
+            server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
             servicer.attach(shard, 8)  # tiny chunks: many per stream
             server.set_serving(True)
             servers.append(server)

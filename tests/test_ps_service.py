@@ -8,9 +8,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import encode_chunks
-from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.security import TransportSecurity
 from pstrain.runtime.shard_map import shard_ranges
 from pstrain.runtime.transport import open_channel, start_server
 
@@ -26,9 +27,7 @@ def cluster():
     servers, shards = [], []
     for r in shard_ranges(TOTAL, 2):
         servicer = ParameterServerServicer()  # tiny chunks: many per stream
-        server = start_server(
-            "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
-        )
+        server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
         shard = ParameterShard(r.shard_id, r.start, r.end, initial[r.start : r.end].clone(), SGD, LR, workers=2)
         servicer.attach(shard, 8)
         server.set_serving(True)
@@ -145,9 +144,7 @@ def test_status_and_health(cluster):
 
 def test_unattached_shard_is_unavailable():
     servicer = ParameterServerServicer()
-    server = start_server(
-        "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"]
-    )
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
     try:
         with open_channel(f"127.0.0.1:{server.port}") as channel:
             with pytest.raises(grpc.RpcError) as err:
@@ -157,5 +154,56 @@ def test_unattached_shard_is_unavailable():
                 health_pb2.HealthCheckRequest(service="pstrain.v1.ParameterServer"), timeout=5
             )
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(0)
+
+
+def test_malformed_push_bytes_are_invalid_argument_and_change_nothing(cluster):
+    addresses, shards, _, _ = cluster
+    before = shards[0].parameters()
+    messages = [pb.PushRequest(header=header()).SerializeToString(), b"\x12\x05\x10\x01"]  # a chunk cut short
+    with open_channel(addresses[0]) as channel:
+        push = channel.stream_unary("/pstrain.v1.ParameterServer/Push", response_deserializer=pb.PushReply.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            push(iter(messages), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "runs past its end" in err.value.details()
+    after = shards[0].parameters()
+    assert before[0] == after[0] and torch.equal(before[1], after[1])
+    assert shards[0].snapshot().pushes_waiting == 0
+
+
+def test_a_skip_push_with_a_payload_is_invalid_argument(cluster):
+    addresses, shards, _, _ = cluster
+    with pytest.raises(grpc.RpcError) as err:
+        raw_push(addresses[0], header(skip=True), list(encode_chunks(torch.ones(6))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carries no payload" in err.value.details()
+    assert shards[0].snapshot().pushes_waiting == 0 and shards[0].version == 0
+
+
+def test_every_pull_of_a_version_gets_the_same_bytes_from_one_encoding(cluster):
+    addresses, shards, _, initial = cluster
+    with open_channel(addresses[1]) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        first, second = (list(stub.Pull(pb.PullRequest(shard_id=1, min_version=0), timeout=5)) for _ in range(2))
+    assert first == second and [r.version for r in first] == [0, 0, 0]  # 5 floats in chunks of 2 elements
+    data = b"".join(r.chunk.data for r in first)
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32), initial[6:])
+
+
+def test_a_pull_without_the_token_is_refused_and_one_with_it_is_served():
+    """The token check runs on the asyncio server too, for the streaming Pull as for Push."""
+    security = TransportSecurity(token="s3cret")
+    servicer = ParameterServerServicer()
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], security, aio=True)
+    servicer.attach(ParameterShard(0, 0, 3, torch.ones(3), SGD, LR, workers=1), 8)
+    try:
+        with open_channel(f"127.0.0.1:{server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.ParameterServerStub(channel).Pull(pb.PullRequest(shard_id=0), timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        client = PsClient([f"127.0.0.1:{server.port}"], 3, security=security)
+        out = torch.empty(3)
+        assert client.pull(0, out) == 0 and torch.equal(out, torch.ones(3))
+        client.close()
     finally:
         server.stop(0)

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import encode_chunks
-from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.security import SecurityError, TransportSecurity
 from pstrain.runtime.transport import open_channel, start_server
@@ -188,9 +188,7 @@ def test_grpcurl_with_certificates_and_token(secure_coordinator, pki):
 def test_push_without_token_leaves_the_shard_unchanged(pki):
     servicer = ParameterServerServicer()
     sec = TransportSecurity(token=TOKEN)
-    server = start_server(
-        "127.0.0.1:0", [(pb_grpc.add_ParameterServerServicer_to_server, servicer)], ["ParameterServer"], sec
-    )
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], sec, aio=True)
     shard = ParameterShard(0, 0, 4, torch.zeros(4), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=1.0), 1)
     servicer.attach(shard, 1024)
     header = pb.PushHeader(shard_id=0, worker_id=0, step=0, device_count=1, dtype=pb.FLOAT32, numel=4)

@@ -198,6 +198,20 @@ def test_a_reader_never_holds_up_the_update_and_keeps_its_version():
         assert version == 1 and torch.equal(params, shard.parameters()[1])
 
 
+def test_a_reader_holding_a_buffer_across_updates_keeps_its_values():
+    """Double buffering reuses the previous buffer, but never one a reader still holds."""
+    shard = make(workers=1)
+    with shard.read(0, 1) as (version, params):
+        seen = params.clone()
+        for step in range(3):
+            shard.push(0, step, torch.ones(5), 1)
+        assert version == 0 and torch.equal(params, seen) and shard.version == 3
+    for step in range(3, 6):  # buffers are recycled once nobody holds them, and stay correct
+        shard.push(0, step, torch.ones(5), 1)
+        with shard.read(step + 1, 1) as (version, params):
+            assert version == step + 1 and torch.equal(params, shard._param.detach())
+
+
 def test_non_finite_gradient_is_refused_and_changes_nothing():
     shard = make()
     shard.push(1, 0, torch.ones(5), 1)

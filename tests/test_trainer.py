@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -9,6 +10,8 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
+from torch.utils.data import Dataset
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.local_client import LocalPsClient
@@ -26,8 +29,8 @@ from pstrain.runtime.ps_api import (
 from pstrain.runtime.shard_map import shard_ranges
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.replicas import ReplicaSet
-from pstrain.worker.trainer import Trainer
-from tests.helpers import classification_set, odd_mlp
+from pstrain.worker.trainer import Trainer, all_finite
+from tests.helpers import classification_set, nan_set, odd_mlp
 
 STEPS = 4
 DEVICES = 2
@@ -40,7 +43,7 @@ LAYOUT = ParamLayout.of(odd_mlp())
 DATA = classification_set(2 * SAMPLES_PER_WORKER)
 NO_WAIT = RetryPolicy(retries=2, first_delay_s=0.0)
 
-Call = tuple[int | str, ...]  # ("push", worker, step) or ("pull", version)
+Call = tuple[int | str, ...]  # ("push" | "skip", worker, step) or ("pull", version)
 MakeTrainer = Callable[..., Trainer]
 
 
@@ -62,12 +65,17 @@ def worker_samples(worker_id: int) -> list[int]:
     return list(range(worker_id * SAMPLES_PER_WORKER, (worker_id + 1) * SAMPLES_PER_WORKER))
 
 
-def reference(workers: int, steps: int = STEPS) -> torch.Tensor:
-    """Plain PyTorch on one process: each step's batch is every worker's slice of that step."""
+def reference(workers: int, steps: int = STEPS, skipped: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Plain PyTorch on one process: each step's batch is every worker's slice of that step.
+
+    A ``skipped`` step uses up its batch and changes nothing, optimizer state included.
+    """
     model = seeded_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     per_step = DEVICES * PER_DEVICE
     for step in range(steps):
+        if step in skipped:
+            continue
         indices = [i for w in range(workers) for i in worker_samples(w)[step * per_step : (step + 1) * per_step]]
         x, y = DATA[indices]
         opt.zero_grad()
@@ -133,6 +141,10 @@ class Recording:
             return PushHandle([handle.futures[0], *(failed(error) for _ in handle.futures[1:])])
         return handle
 
+    def skip_step(self, worker_id: int, step: int, device_count: int) -> PushHandle:
+        self.calls.append(("skip", worker_id, step))
+        return self.inner.skip_step(worker_id, step, device_count)
+
     def pull(self, min_version: int, out: torch.Tensor) -> int:
         key = ("pull", min_version)
         self.calls.append(key)
@@ -155,10 +167,12 @@ def make_trainer() -> Iterator[MakeTrainer]:
         reporter: Reporter | None = None,
         stop: threading.Event | None = None,
         retry: RetryPolicy = NO_WAIT,
+        data: Dataset = DATA,
+        on_nonfinite: str = "stop",
     ) -> Trainer:
-        job = pb.JobSpec(steps=STEPS, per_device_batch=PER_DEVICE, total_params=LAYOUT.total)
+        job = pb.JobSpec(steps=STEPS, per_device_batch=PER_DEVICE, total_params=LAYOUT.total, on_nonfinite=on_nonfinite)
         replicas = ReplicaSet(seeded_model, [torch.device("cpu")] * DEVICES, LAYOUT)
-        feed = DataFeed(DATA, ListSource(worker_id, worker_samples(worker_id)))
+        feed = DataFeed(data, ListSource(worker_id, worker_samples(worker_id)))
         loss = torch.nn.functional.cross_entropy
         reporter = reporter or Reporter()
         trainer = Trainer(worker_id, job, replicas, ps, feed, loss, reporter, stop or threading.Event(), retry)
@@ -304,3 +318,104 @@ def test_a_coordinator_directive_stops_training(make_trainer: MakeTrainer) -> No
     trainer = make_trainer(0, LocalPsClient(build_shards(workers=1)), reporter)
     assert trainer.run() == 1
     assert reporter.steps == [0] and trainer.progress.state == "stopped"
+
+
+# ---------------------------------------------------------------- non-finite losses and gradients
+
+NAN_AT_STEP_1 = nan_set(len(DATA), nan_at=worker_samples(0)[DEVICES * PER_DEVICE])  # worker 0's step 1, device 0
+
+
+def skipped_steps_metric() -> float:
+    return REGISTRY.get_sample_value("pstrain_worker_skipped_steps_total") or 0.0
+
+
+def test_all_finite_checks_the_losses_and_the_summed_gradient() -> None:
+    grads = torch.ones(10)
+    assert all_finite([0.5, 1.5], grads)
+    assert not all_finite([0.5, math.nan], grads)
+    assert not all_finite([0.5, math.inf], grads)
+    for bad in (math.nan, math.inf, -math.inf):
+        broken = grads.clone()
+        broken[7] = bad
+        assert not all_finite([0.5], broken)
+
+
+def test_a_nan_loss_under_skip_skips_the_step_and_the_next_one_trains(make_trainer: MakeTrainer) -> None:
+    shards = build_shards(workers=1)
+    calls: list[Call] = []
+    seen: dict[int, tuple[bool, float, torch.Tensor]] = {}  # step -> (nonfinite, loss, shards' parameters after it)
+
+    def coordinator(report: pb.StepReport) -> None:
+        seen[report.step] = (report.nonfinite, report.loss, final_parameters(shards).clone())
+
+    skipped_before = skipped_steps_metric()
+    ps = Recording(LocalPsClient(shards), calls)
+    trainer = make_trainer(0, ps, Reporter(coordinator), data=NAN_AT_STEP_1, on_nonfinite="skip")
+    assert trainer.run() == STEPS and trainer.progress.state == "finished"
+    assert calls == [
+        ("pull", 0),
+        ("push", 0, 0),
+        ("pull", 1),
+        ("skip", 0, 1),  # never a push of step 1
+        ("pull", 2),
+        ("push", 0, 2),
+        ("pull", 3),
+        ("push", 0, 3),
+        ("pull", 4),
+    ]
+    assert [(step, nonfinite) for step, (nonfinite, _, _) in sorted(seen.items())] == [
+        (0, False),
+        (1, True),
+        (2, False),
+        (3, False),
+    ]
+    assert math.isnan(seen[1][1]) and math.isfinite(seen[2][1])
+    assert torch.equal(seen[1][2], seen[0][2]), "the skipped step changed the shards' parameters"
+    assert not torch.equal(seen[2][2], seen[1][2]), "the step after the skipped one did not train"
+    final = final_parameters(shards)
+    assert torch.isfinite(final).all() and all(shard.version == STEPS for shard in shards)
+    torch.testing.assert_close(final, reference(workers=1, skipped=frozenset({1})), rtol=1e-5, atol=1e-6)
+    assert skipped_steps_metric() == skipped_before + 1
+
+
+def test_a_step_one_worker_skips_is_skipped_for_every_worker(make_trainer: MakeTrainer) -> None:
+    shards = build_shards(workers=2)
+    data = {0: NAN_AT_STEP_1, 1: DATA}  # only worker 0 sees the NaN
+    trainers = [
+        make_trainer(w, LocalPsClient(shards, pull_timeout_s=60), data=data[w], on_nonfinite="skip") for w in range(2)
+    ]
+    runs = [start(t) for t in trainers]
+    for thread, _ in runs:
+        thread.join(120)
+        assert not thread.is_alive(), "a trainer hung"
+    assert [outcome for _, outcome in runs] == [{"ran": STEPS}, {"ran": STEPS}]
+    expected = reference(workers=2, skipped=frozenset({1}))  # worker 1's finite gradient of step 1 is dropped too
+    torch.testing.assert_close(final_parameters(shards), expected, rtol=1e-5, atol=1e-6)
+    for trainer in trainers:
+        torch.testing.assert_close(trainer.replicas.host_params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_loss_under_stop_pushes_nothing_and_ends_failed(make_trainer: MakeTrainer) -> None:
+    shards = build_shards(workers=1)
+    calls: list[Call] = []
+    reports: list[pb.StepReport] = []
+
+    def coordinator(report: pb.StepReport) -> pb.Directive | None:
+        reports.append(report)
+        return None  # the trainer stops on its own, whatever the coordinator answers
+
+    trainer = make_trainer(0, Recording(LocalPsClient(shards), calls), Reporter(coordinator), data=NAN_AT_STEP_1)
+    assert trainer.run() == 1
+    assert calls == [("pull", 0), ("push", 0, 0), ("pull", 1)], "step 1 reached the parameter server"
+    assert [(r.worker_id, r.step, r.nonfinite) for r in reports] == [(0, 0, False), (0, 1, True)]
+    assert math.isnan(reports[1].loss)
+    assert trainer.progress.state == "failed" and trainer.progress.step == 1
+    assert all(shard.version == 1 and shard.snapshot().pushes_waiting == 0 for shard in shards)
+    torch.testing.assert_close(final_parameters(shards), reference(workers=1, steps=1), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_directive_ends_the_trainer_failed(make_trainer: MakeTrainer) -> None:
+    reporter = Reporter(lambda report: pb.Directive(stop=True, state=pb.FAILED, reason="worker 1 went silent"))
+    trainer = make_trainer(0, LocalPsClient(build_shards(workers=1)), reporter)
+    assert trainer.run() == 1
+    assert trainer.progress.state == "failed"

@@ -3,7 +3,9 @@
 Start order: serve status (NOT_SERVING) -> register with the coordinator -> wait until every
 PS shard serves -> build one replica per device -> pull version 0 -> SERVING -> train to the
 job's last step -> (worker 0) upload the model buffers -> exit 0. SIGTERM, even during a
-blocked pull, cancels the in-flight PS calls and exits 0; a job the coordinator aborts exits 1.
+blocked pull, cancels the in-flight PS calls and exits 0. A job that failed for a reason a
+restart would repeat exits ``EXIT_JOB_FAILED`` (3): the coordinator aborted it, or this worker
+computed a non-finite loss or gradient under ``fault.on_nonfinite: stop``.
 The skeleton (serve, ready, heartbeat, drain) is ``MemberProcess``; this module is the join.
 """
 
@@ -21,7 +23,7 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.factories import FactoryError, LossFn, build_dataset, build_model, resolve_loss
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import MemberProcess, add_member_flags
+from pstrain.runtime.member import EXIT_JOB_FAILED, MemberProcess, add_member_flags
 from pstrain.runtime.ps_api import PsClientError
 from pstrain.runtime.ps_client import PsClient
 from pstrain.worker.coordinator_link import CoordinatorLink
@@ -90,7 +92,9 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
     """Train in a thread so SIGTERM is seen even while a pull waits for slower workers.
 
     Returns None when training reached the last step, else the exit code: 0 for an orderly
-    stop (SIGTERM, or the coordinator ending the job), 1 when training raised.
+    stop (SIGTERM, or the coordinator ending the job), ``EXIT_JOB_FAILED`` when the job failed
+    (a non-finite step under ``fault.on_nonfinite: stop``, a FAILED directive); an error
+    training raised is raised again.
     """
     errors: list[BaseException] = []
     done = threading.Event()
@@ -114,6 +118,8 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
         return 0
     if errors:
         raise errors[0]
+    if trainer.progress.state == "failed":
+        return EXIT_JOB_FAILED
     return None if trainer.progress.state == "finished" else 0
 
 
@@ -153,7 +159,7 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
     member.ready()
     outcome = run_interruptibly(trainer, member.stop)
     if member.aborted.is_set():
-        return 1
+        return EXIT_JOB_FAILED
     if outcome is not None:
         return outcome
     buffers = replicas.buffers()

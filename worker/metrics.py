@@ -19,3 +19,7 @@ BYTES_PUSHED = Counter("pstrain_worker_pushed_bytes_total", "Gradient bytes push
 BYTES_PULLED = Counter("pstrain_worker_pulled_bytes_total", "Parameter bytes pulled from the parameter server")
 SAMPLES = Counter("pstrain_worker_samples_total", "Training samples processed")
 LOSS = Gauge("pstrain_worker_loss", "Mean loss of the last step")
+SKIPPED_STEPS = Counter(
+    "pstrain_worker_skipped_steps_total",
+    "Steps this worker skipped for a non-finite loss or gradient (fault.on_nonfinite: skip)",
+)

@@ -5,19 +5,29 @@ the same over gRPC and over in-memory shards (``tests/test_trainer.py``). It own
 a push or pull that found a shard ``Unavailable``: both calls are idempotent, and backing off
 on the stop flag lets SIGTERM end a backoff at once.
 
-``TrainerProgress.state``: starting -> training -> finished (the job's last step is done) or
+A step whose loss or summed gradient is not finite is never pushed (``job.on_nonfinite``):
+under ``skip`` the worker asks every shard to complete the step without an update
+(``skip_step``), reports it ``nonfinite`` and trains on from the unchanged parameters; under
+``stop`` it reports it ``nonfinite`` (the coordinator fails the job, naming step and worker)
+and ends ``failed``.
+
+``TrainerProgress.state``: starting -> training -> finished (the job's last step is done),
 stopped (the stop flag, a coordinator directive, or a call cancelled by ``close(cancel=True)``
-after a stop). An error raised by ``run`` leaves the state as it was.
+after a stop) or failed (a non-finite step under ``stop``, or a directive saying the job
+FAILED). An error raised by ``run`` leaves the state as it was.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
+
+import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import LossFn
@@ -31,6 +41,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_RETRY = RetryPolicy()  # about 1.4 s of backoff over 3 repeats: a shard restarting
+
+
+def all_finite(losses: list[float], grads: torch.Tensor) -> bool:
+    """Whether the step's losses and summed gradient hold no NaN/Inf.
+
+    One pass and no gradient-sized allocation: any NaN or Inf makes the sum NaN or Inf. Finite
+    values whose sum overflows float32 count as non-finite too, as they do on the PS shard,
+    which applies the same test and refuses such a push.
+    """
+    return all(math.isfinite(loss) for loss in losses) and bool(torch.isfinite(grads.sum()))
 
 
 class StepReporter(Protocol):
@@ -69,6 +89,7 @@ class Trainer:
         self.stop = stop
         self.retry = retry
         self.progress = TrainerProgress()
+        self.skip_nonfinite = job.on_nonfinite == "skip"  # else stop: the spec's default
         self._ran = 0  # steps this run() has completed
 
     def run(self) -> int:
@@ -98,10 +119,12 @@ class Trainer:
                 log.info("worker %d stopping before step %d", self.worker_id, step)
                 return
             directive = self._step(step)
+            if self.progress.state == "failed":
+                return
             self._ran += 1
             if directive.stop and step + 1 < self.job.steps:
                 log.warning("coordinator stopped the job at step %d: %s", step, directive.reason)
-                self.progress.state = "stopped"
+                self.progress.state = "failed" if directive.state == pb.FAILED else "stopped"
                 return
         self.progress.state = "finished"
 
@@ -112,7 +135,19 @@ class Trainer:
         losses = self.replicas.forward_backward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         grads = self.replicas.sum_gradients()
         computed = time.perf_counter()
-        self._retrying("push", lambda: self.ps.push(grads, self.worker_id, step, devices).wait())
+        finite = all_finite(losses, grads)
+        if not finite and not self.skip_nonfinite:
+            return self._stop_nonfinite(step, losses, int(inputs.shape[0]), computed - started)
+        if finite:
+            self._retrying("push", lambda: self.ps.push(grads, self.worker_id, step, devices).wait())
+        else:
+            log.warning(
+                "worker %d computed a non-finite loss or gradient at step %d; skipping the step "
+                "(fault.on_nonfinite: skip)",
+                self.worker_id,
+                step,
+            )
+            self._retrying("skip", lambda: self.ps.skip_step(self.worker_id, step, devices).wait())
         pushed = time.perf_counter()
         self.feed.commit()
         self._retrying("pull", lambda: self.ps.pull(step + 1, self.replicas.host_params))
@@ -122,7 +157,14 @@ class Trainer:
         self.progress.step = step + 1
         self.progress.last_step_s = elapsed
         self._record(
-            step, losses, int(inputs.shape[0]), computed - started, pushed - computed, pulled - pushed, elapsed
+            step,
+            losses,
+            int(inputs.shape[0]),
+            computed - started,
+            pushed - computed,
+            pulled - pushed,
+            elapsed,
+            skipped=not finite,
         )
         return self.reporter.report(
             pb.StepReport(
@@ -131,8 +173,32 @@ class Trainer:
                 loss=sum(losses) / devices,
                 samples=int(inputs.shape[0]),
                 step_s=elapsed,
+                nonfinite=not finite,
             )
         )
+
+    def _stop_nonfinite(self, step: int, losses: list[float], samples: int, step_s: float) -> pb.Directive:
+        """``on_nonfinite: stop``: push nothing, tell the coordinator (it fails the job), end ``failed``."""
+        log.error(
+            "worker %d computed a non-finite loss or gradient at step %d; fault.on_nonfinite: stop: "
+            "nothing was pushed, the job stops",
+            self.worker_id,
+            step,
+        )
+        self.progress.state = "failed"
+        directive = self.reporter.report(
+            pb.StepReport(
+                worker_id=self.worker_id,
+                step=step,
+                loss=sum(losses) / len(losses),
+                samples=samples,
+                step_s=step_s,
+                nonfinite=True,
+            )
+        )
+        if directive.reason:
+            log.error("coordinator: %s", directive.reason)
+        return directive
 
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """``call`` repeated after ``Unavailable`` per ``self.retry``; a stop ends the backoff."""
@@ -151,15 +217,19 @@ class Trainer:
         push_s: float,
         pull_s: float,
         step_s: float,
+        skipped: bool = False,
     ) -> None:
         model_bytes = self.job.total_params * 4
         metrics.COMPUTE_SECONDS.observe(compute_s)
-        metrics.PUSH_SECONDS.observe(push_s)
         metrics.PULL_SECONDS.observe(pull_s)
         metrics.STEP_SECONDS.observe(step_s)
-        metrics.BYTES_PUSHED.inc(model_bytes)
         metrics.BYTES_PULLED.inc(model_bytes)
         metrics.SAMPLES.inc(samples)
         metrics.STEP.set(step + 1)
-        metrics.LOSS.set(sum(losses) / len(losses))
+        if skipped:
+            metrics.SKIPPED_STEPS.inc()
+        else:
+            metrics.PUSH_SECONDS.observe(push_s)
+            metrics.BYTES_PUSHED.inc(model_bytes)
+            metrics.LOSS.set(sum(losses) / len(losses))
         log.debug("step %d: compute %.3fs push %.3fs pull %.3fs", step, compute_s, push_s, pull_s)

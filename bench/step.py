@@ -1,0 +1,617 @@
+"""Step time of pstrain vs. PyTorch DDP (gloo, CPU): same model, data, batch, optimizer and process count.
+
+For each case (8 x Linear(1024) MLP at 64 and 256 samples per process, a small transformer):
+
+* DDP: ``torch.nn.parallel.DistributedDataParallel`` over gloo on 127.0.0.1, 2 processes
+  started with ``torch.multiprocessing``. A step is one iteration of the loop a DDP user
+  writes: next batch from a ``DataLoader`` + ``DistributedSampler``, zero_grad, forward,
+  backward (DDP's all-reduce runs inside it), ``SGD.step``. Step time = median over the
+  measured iterations of the slower rank's iteration. "DDP compute" is the same loop under
+  ``no_sync()`` (no all-reduce), run afterwards, so step - compute is DDP's exposed
+  communication.
+* pstrain: the real system. ``LocalCluster`` starts a coordinator, the PS shards and 2
+  workers (1 CPU device each) as separate processes on 127.0.0.1, exactly as
+  ``pstrain local`` does. Step time = median of the coordinator's ``step_s``
+  (``metrics.jsonl``: the interval between two step completions) over the measured steps.
+  The breakdown comes from the members' Prometheus endpoints (their addresses from
+  ``GetJobStatus``), scraped when the last warm-up step and the last measured step complete:
+  histogram sum / count deltas give the mean over exactly the measured steps of the worker's
+  compute (batch + forward/backward + host sum), push and pull (what the worker waits for
+  after its compute: the exposed part) and the shard's optimizer update.
+
+Both systems: same factories (below, imported by path by pstrain's processes), same seeded
+initial weights, SGD lr 0.01 momentum 0.9 with gradients averaged over the 2 processes
+(pstrain: ``lr_scaling: none``), and 1 intra-op torch thread in every process
+(``OMP_NUM_THREADS=1`` for pstrain's processes, ``torch.set_num_threads(1)`` in DDP's ranks):
+the 2 training processes of either system then compete equally for the 2 cores. pstrain's
+coordinator and shards also run on those cores; that is part of its cost here.
+
+Each case runs 2 rounds (``--rounds``) of a DDP run and a pstrain run, the order alternating, and
+pools them: the machine is shared, and a load that changes during the run then hits both alike.
+
+Run: ``python bench/step.py [--quick]``; results go to ``bench/results/step.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # job files and DDP's ranks import this module as ``bench.step``
+RESULTS = ROOT / "bench" / "results" / "step.md"
+PROCESSES = 2  # training processes of either system (pstrain: workers x 1 device)
+SEED = 0
+LR = 0.01
+MOMENTUM = 0.9
+TAIL_STEPS = 2  # pstrain runs past the measured steps, so its members are still up for the last scrape
+RUN_TIMEOUT_S = 600  # one system's run of one case; a hung run fails instead of stalling the bench
+THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+# ---------------------------------------------------------------- factories (job files name them by path)
+
+
+def mlp(width: int = 1024, depth: int = 8) -> nn.Module:
+    """``depth`` x Linear(width) with ReLU between: 8,396,800 parameters with the defaults."""
+    layers: list[nn.Module] = []
+    for index in range(depth):
+        layers.append(nn.Linear(width, width))
+        if index < depth - 1:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def mlp_set(n: int = 4096, width: int = 1024, classes: int = 10, seed: int = 1) -> Dataset:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, width, generator=gen), torch.randint(0, classes, (n,), generator=gen))
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding + learned positions, ``layers`` post-norm encoder layers, mean pool, linear head."""
+
+    def __init__(
+        self, vocab: int, seq: int, d_model: int, heads: int, ff: int, layers: int, classes: int, dropout: float
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ff, dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+def transformer(
+    vocab: int = 1000,
+    seq: int = 32,
+    d_model: int = 256,
+    heads: int = 4,
+    ff: int = 1024,
+    layers: int = 2,
+    classes: int = 10,
+    dropout: float = 0.1,
+) -> nn.Module:
+    return TinyTransformer(vocab, seq, d_model, heads, ff, layers, classes, dropout)
+
+
+def token_set(n: int = 2048, seq: int = 32, vocab: int = 1000, classes: int = 10, seed: int = 1) -> Dataset:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randint(0, vocab, (n, seq), generator=gen), torch.randint(0, classes, (n,), generator=gen)
+    )
+
+
+# ---------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    data: str
+    batch: int  # samples per training process per step
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    data_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build_model(self) -> nn.Module:
+        from pstrain.runtime.factories import build_model
+
+        return build_model(self.model, json.dumps(self.model_kwargs), SEED)
+
+    def build_dataset(self) -> Dataset:
+        from pstrain.runtime.factories import build_dataset
+
+        return build_dataset(self.data, json.dumps(self.data_kwargs))
+
+
+CASES = (
+    Case("mlp 8x1024, 64/proc", "bench.step:mlp", "bench.step:mlp_set", 64),
+    Case("mlp 8x1024, 256/proc", "bench.step:mlp", "bench.step:mlp_set", 256),
+    Case("transformer 2x256, 32x32 tok/proc", "bench.step:transformer", "bench.step:token_set", 32),
+)
+
+
+@dataclass(frozen=True)
+class Steps:
+    warm: int
+    measured: int
+    ddp_compute: int  # DDP no_sync iterations for its compute-only time
+
+    def __post_init__(self) -> None:
+        if self.warm < 1 or self.measured < 1:
+            raise ValueError(f"need at least 1 warm-up and 1 measured step, got {self}")
+
+
+# ---------------------------------------------------------------- DDP
+
+
+def _endless(loader: torch.utils.data.DataLoader, sampler: Any) -> Iterator[Any]:
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _ddp_rank(rank: int, case: Case, port: int, steps: Steps, result: str) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    # Its own session, as LocalCluster gives each pstrain process: with autogroup scheduling (Linux's
+    # default) every session is one scheduling group, and on a machine that other work also loads a
+    # rank sharing its group with the other rank would get half the CPU a pstrain worker gets.
+    with contextlib.suppress(OSError):
+        os.setsid()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=PROCESSES,
+        timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S),
+    )
+    try:
+        model = DistributedDataParallel(case.build_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        dataset = case.build_dataset()
+        sampler = DistributedSampler(dataset, PROCESSES, rank, shuffle=True, seed=SEED, drop_last=True)
+        batches = _endless(DataLoader(dataset, batch_size=case.batch, sampler=sampler, drop_last=True), sampler)
+
+        def step() -> float:
+            started = time.perf_counter()
+            inputs, targets = next(batches)
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            return time.perf_counter() - started
+
+        dist.barrier()
+        times = [step() for _ in range(steps.warm + steps.measured)][steps.warm :]
+        dist.barrier()
+        with model.no_sync():  # the same loop without the all-reduce: DDP's compute alone
+            compute = [step() for _ in range(steps.ddp_compute + 1)][1:]
+        gathered: list[Any] = [None] * PROCESSES
+        dist.all_gather_object(gathered, {"times": times, "compute": compute})
+        if rank == 0:
+            Path(result).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ddp(case: Case, steps: Steps, work: Path) -> dict[str, Any]:
+    """Per measured step, the slower rank's iteration (``step_s``) and its ``no_sync`` iteration (``compute_s``)."""
+    import torch.multiprocessing as mp
+
+    result = work / "ddp.json"
+    mp.spawn(_ddp_rank, args=(case, _free_port(), steps, str(result)), nprocs=PROCESSES, join=True)
+    ranks = json.loads(result.read_text())
+    return {
+        "step_s": [max(values) for values in zip(*(r["times"] for r in ranks), strict=True)],
+        "compute_s": [max(values) for values in zip(*(r["compute"] for r in ranks), strict=True)],
+    }
+
+
+# ---------------------------------------------------------------- pstrain
+
+
+def _job(case: Case, steps: int, ps_shards: int) -> dict[str, Any]:
+    return {
+        "model": {"factory": case.model, "kwargs": case.model_kwargs},
+        "data": {"factory": case.data, "kwargs": case.data_kwargs, "shard_size": 512, "shuffle": True},
+        "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        "batch": {"per_device": case.batch, "lr_scaling": "none"},
+        "job": {"steps": steps, "seed": SEED, "name": "bench-step"},
+        "cluster": {"ps_shards": ps_shards, "workers": PROCESSES, "devices_per_worker": 1},
+        "checkpoint": {"every_steps": 0},  # this measures steps, not checkpoints
+    }
+
+
+def _scrape(address: str) -> dict[str, float]:
+    """Every ``pstrain_*_sum`` / ``_count`` sample of one Prometheus endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("pstrain_") and sample.name.endswith(("_sum", "_count"))
+    }
+
+
+def _mean_ms(before: list[dict[str, float]], after: list[dict[str, float]], histogram: str) -> float:
+    """Mean of ``histogram`` over the observations between two scrapes, summed over the members."""
+    total = sum(
+        a.get(f"{histogram}_sum", 0.0) - b.get(f"{histogram}_sum", 0.0) for b, a in zip(before, after, strict=True)
+    )
+    count = sum(
+        a.get(f"{histogram}_count", 0.0) - b.get(f"{histogram}_count", 0.0) for b, a in zip(before, after, strict=True)
+    )
+    return 1e3 * total / count if count else float("nan")
+
+
+def run_pstrain(case: Case, steps: Steps, ps_shards: int, work: Path) -> dict[str, Any]:
+    """Run a real local cluster; call in a process that has not used gRPC (``LocalCluster`` forks)."""
+    import yaml
+
+    from pstrain.coordinator.config import load_config
+    from pstrain.launcher.local_cluster import LocalCluster
+    from pstrain.protos import pstrain_pb2 as pb
+    from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+    from pstrain.runtime.transport import open_channel
+
+    job_path = work / "job.yaml"
+    job_path.write_text(yaml.safe_dump(_job(case, steps.warm + steps.measured + TAIL_STEPS, ps_shards)))
+    out = work / "out"
+    cluster = LocalCluster(job_path, load_config(job_path), out, grace_s=5.0)
+    marks = {steps.warm: "before", steps.warm + steps.measured: "after"}
+    scrapes: dict[str, dict[str, list[dict[str, float]]]] = {}
+    failures: list[BaseException] = []
+    channel = None
+    try:
+        cluster.start()  # every fork happens here, before this process opens a channel
+        channel = open_channel(cluster.coordinator_address)
+        stub = pb_grpc.CoordinatorStub(channel)
+
+        def follow() -> None:
+            """Scrape every member when the last warm-up and the last measured step complete."""
+            try:
+                endpoints: dict[str, list[str]] = {}
+                for event in stub.WatchProgress(pb.WatchProgressRequest(), timeout=3600):
+                    if event.global_batch == 0:
+                        return  # the job is over
+                    if not endpoints:
+                        members = stub.GetJobStatus(pb.JobStatusRequest(), timeout=30).members
+                        for role in ("worker", "ps"):
+                            endpoints[role] = sorted(m.metrics_address for m in members if m.role == role)
+                    mark = marks.get(event.step + 1)
+                    if mark is not None:
+                        scrapes[mark] = {role: [_scrape(a) for a in addresses] for role, addresses in endpoints.items()}
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        watcher = threading.Thread(target=follow, name="scrape", daemon=True)
+        watcher.start()
+        cluster.run()  # to the job's end; raises if a process dies or the job fails
+        watcher.join(timeout=60)
+    finally:
+        if channel is not None:
+            channel.close()
+        cluster.shutdown()
+    if failures:
+        raise RuntimeError(f"scraping the members' metrics failed: {failures[0]!r}") from failures[0]
+    if set(scrapes) != {"before", "after"}:
+        raise RuntimeError(f"missed a scrape (got {sorted(scrapes)})")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = records[steps.warm : steps.warm + steps.measured]
+    before, after = scrapes["before"], scrapes["after"]
+    if len(after["worker"]) != PROCESSES or not after["ps"]:
+        raise RuntimeError(f"expected {PROCESSES} workers and the shards in GetJobStatus, got {after}")
+    return {
+        "step_s": [r["step_s"] for r in measured],
+        "worker_step_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_step_seconds"),
+        "compute_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_compute_seconds"),
+        "push_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_push_seconds"),
+        "pull_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_pull_seconds"),
+        "update_ms": _mean_ms(before["ps"], after["ps"], "pstrain_ps_update_seconds"),
+        "loss_first": records[0]["loss"],
+        "loss_last": records[-1]["loss"],
+    }
+
+
+def _pstrain_child(args: argparse.Namespace) -> int:
+    """``--pstrain-case``: one pstrain measurement in a fresh process, so no fork ever follows gRPC."""
+    case = Case(**json.loads(args.pstrain_case))
+    steps = Steps(**json.loads(args.steps_json))
+    figures = run_pstrain(case, steps, args.ps_shards, Path(args.work))
+    Path(args.work, "pstrain.json").write_text(json.dumps(figures))
+    return 0
+
+
+def run_pstrain_isolated(case: Case, steps: Steps, ps_shards: int, work: Path) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        **THREADS_ENV,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--pstrain-case", json.dumps(asdict(case))]
+    cmd += ["--steps-json", json.dumps(asdict(steps)), "--ps-shards", str(ps_shards), "--work", str(work)]
+    log_path = work / "driver.log"
+    with open(log_path, "wb") as log_file:
+        try:
+            # The cluster's processes get SIGKILL with the driver (PR_SET_PDEATHSIG), so a timeout leaves nothing.
+            run = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S
+            )
+            code = run.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    if code != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        what = f"timed out after {RUN_TIMEOUT_S} s" if code == -1 else f"exit {code}"
+        raise RuntimeError(f"pstrain run failed ({what}); logs under {work}:\n{tail}")
+    return json.loads((work / "pstrain.json").read_text())
+
+
+# ---------------------------------------------------------------- report
+
+
+BREAKDOWN = ("compute_ms", "push_ms", "pull_ms", "update_ms", "worker_step_ms")
+
+
+@dataclass
+class Row:
+    """One case: every round's DDP and pstrain run, pooled."""
+
+    case: Case
+    params: int
+    ddp_runs: list[dict[str, Any]] = field(default_factory=list)
+    pstrain_runs: list[dict[str, Any]] = field(default_factory=list)
+    loads: list[str] = field(default_factory=list)  # "DDP 1.23 / pstrain 2.34" per round
+
+    @property
+    def ddp_step_ms(self) -> float:
+        return 1e3 * statistics.median(t for run in self.ddp_runs for t in run["step_s"])
+
+    @property
+    def ddp_compute_ms(self) -> float:
+        return 1e3 * statistics.median(t for run in self.ddp_runs for t in run["compute_s"])
+
+    @property
+    def pstrain_step_ms(self) -> float:
+        return 1e3 * statistics.median(t for run in self.pstrain_runs for t in run["step_s"])
+
+    def pstrain_mean(self, key: str) -> float:
+        """Every round measures as many steps, so the mean of the rounds' means is the mean over all steps."""
+        return statistics.fmean(run[key] for run in self.pstrain_runs)
+
+    @property
+    def ratio(self) -> float:
+        return self.pstrain_step_ms / self.ddp_step_ms
+
+    def rounds(self) -> str:
+        ddp = ", ".join(f"{1e3 * statistics.median(run['step_s']):.0f}" for run in self.ddp_runs)
+        ps = ", ".join(f"{1e3 * statistics.median(run['step_s']):.0f}" for run in self.pstrain_runs)
+        return f"DDP {ddp} ms; pstrain {ps} ms"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _source() -> str:
+    """Which code was measured: the git commit (and whether the tree had uncommitted changes)."""
+    if "PSTRAIN_BENCH_SOURCE" in os.environ:  # a snapshot outside git says what it is
+        return os.environ["PSTRAIN_BENCH_SOURCE"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if commit.returncode != 0:
+        return "unknown (not a git checkout)"
+    changed = [line for line in dirty.stdout.splitlines() if not line[3:].startswith("bench/")]
+    return f"commit {commit.stdout.strip()}" + (" with uncommitted changes" if changed else "")
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f}"
+
+
+HEADER = (
+    "| case | params | DDP step ms | DDP compute ms | pstrain step ms | pstrain / DDP "
+    "| compute ms | exposed push ms | exposed pull ms | update ms |"
+)
+
+
+def table(rows: list[Row]) -> str:
+    lines = [HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        compute, push, pull, update = (r.pstrain_mean(key) for key in BREAKDOWN[:4])
+        lines.append(
+            f"| {r.case.name} | {r.params / 1e6:.2f}M | {r.ddp_step_ms:.1f} | {r.ddp_compute_ms:.1f} "
+            f"| {r.pstrain_step_ms:.1f} | **{r.ratio:.2f}x** | {compute:.1f} | {push:.1f} | {pull:.1f} | {update:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(
+    rows: list[Row], steps: Steps, args: argparse.Namespace, loads: tuple[str, str], wall_s: float
+) -> None:
+    import grpc
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cores = os.cpu_count()
+    per_round = "\n".join(
+        f"- {r.case.name}: {r.rounds()}; 1-min load at each start: {'; '.join(r.loads)}" for r in rows
+    )
+    losses = "\n".join(
+        f"- {r.case.name}: {r.pstrain_runs[0]['loss_first']:.3f} -> {r.pstrain_runs[0]['loss_last']:.3f}" for r in rows
+    )
+    text = f"""# pstrain step time vs. PyTorch DDP (bench/step.py)
+
+- Run {now}, {wall_s:.0f} s in all; code: {_source()}.
+- Machine: {platform.machine()}, {_cpu_model()}, **{cores} cores** (`nproc`); Python {platform.python_version()},
+  torch {torch.__version__}, grpcio {grpc.__version__}.
+- Load average (1 / 5 / 15 min): {loads[0]} at the start, {loads[1]} at the end. **The {cores} cores are shared
+  by every process of both systems, and by whatever else runs on the machine** (other sessions' test runs,
+  if the load average is well above 2): absolute times are noisy; the ratios come from this one run.
+
+## Setup
+
+- Both systems: {PROCESSES} training processes, the same model factory and seeded initial weights, the same
+  synthetic data set, the same samples per process per step, SGD lr {LR} momentum {MOMENTUM} on gradients
+  averaged over the processes, and **1 intra-op torch thread in every process** (`OMP_NUM_THREADS=1` for
+  pstrain's processes, `torch.set_num_threads(1)` in DDP's ranks), so the training processes of either
+  system compete equally for the cores.
+- DDP: `DistributedDataParallel` over gloo on 127.0.0.1, a `DataLoader` with a `DistributedSampler`.
+- pstrain: a real local cluster (`LocalCluster`, as `pstrain local` starts it) on 127.0.0.1: the
+  coordinator, **{args.ps_shards} PS shard process(es)** and {PROCESSES} workers x 1 CPU device; checkpoints off.
+  The coordinator and the shards run on the same cores as the workers: that is part of pstrain's cost here.
+- Each case runs {args.rounds} round(s), each a DDP run and a pstrain run (the order alternates between
+  rounds), each {steps.warm} warm-up steps and then {steps.measured} measured steps; figures pool the rounds.
+
+## Results
+
+{table(rows)}
+
+pstrain / DDP above 1 means pstrain is slower; issue 12's target is at most 1.0x.
+
+- **DDP step**: median over the measured iterations (per iteration, the slower rank's) of next batch +
+  zero_grad + forward + backward (with DDP's all-reduce) + `SGD.step`. **DDP compute**: the same loop under
+  `no_sync()` ({steps.ddp_compute} iterations per round, no all-reduce); DDP step - DDP compute is DDP's exposed
+  communication.
+- **pstrain step**: median of the coordinator's `step_s` (`metrics.jsonl`, the interval between two step
+  completions) over the measured steps.
+- **compute / exposed push / exposed pull**: the workers' `pstrain_worker_{{compute,push,pull}}_seconds`
+  histograms, scraped from their metrics endpoints when the last warm-up and the last measured step
+  complete; mean over the measured steps of both workers. Compute: next batch + forward/backward + host
+  sum. Push and pull: what the worker waits for after its compute (the exposed part); the pull includes
+  waiting for the slower worker and the shard's update. **update**: the shards'
+  `pstrain_ps_update_seconds`, mean per shard and step (the shards update their ranges in parallel).
+
+Median step per round:
+
+{per_round}
+
+pstrain loss, first -> last step of round 1 (sanity: it trains):
+
+{losses}
+"""
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 round of few steps: checks that everything runs")
+    p.add_argument("--warm", type=int, help="warm-up steps per run (default 4, --quick 2)")
+    p.add_argument("--measured", type=int, help="measured steps per run (default 20, --quick 5)")
+    p.add_argument("--rounds", type=int, help="DDP + pstrain runs per case, order alternating (default 2, --quick 1)")
+    p.add_argument("--ps-shards", type=int, default=2, help="pstrain PS shard processes (default 2)")
+    p.add_argument("--cases", help="comma-separated case numbers to run (1-based; default all)")
+    p.add_argument("--no-write", action="store_true", help=f"print only, do not write {RESULTS.relative_to(ROOT)}")
+    p.add_argument("--keep", action="store_true", help="keep the run directories (logs, metrics.jsonl)")
+    p.add_argument("--pstrain-case", help=argparse.SUPPRESS)  # internal: one pstrain run in a child process
+    p.add_argument("--steps-json", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.pstrain_case:
+        return _pstrain_child(args)
+    steps = Steps(
+        warm=args.warm or (2 if args.quick else 4),
+        measured=args.measured or (5 if args.quick else 20),
+        ddp_compute=5 if args.quick else 8,
+    )
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    cases = [CASES[int(i) - 1] for i in args.cases.split(",")] if args.cases else list(CASES)
+    load_start = _load()
+    started = time.monotonic()
+    print(f"load average at start: {load_start}; {len(cases)} case(s), {args.rounds} round(s), {steps}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="pstrain-bench-step-"))
+    rows: list[Row] = []
+    try:
+        for index, case in enumerate(cases, 1):
+            row = Row(case, sum(p.numel() for p in case.build_model().parameters()))
+            rows.append(row)
+            for round_ in range(args.rounds):
+                work = root / f"case{index}-round{round_}"
+                work.mkdir()
+                systems = ["DDP", "pstrain"] if round_ % 2 == 0 else ["pstrain", "DDP"]
+                load: dict[str, float] = {}
+                for system in systems:
+                    print(f"[{index}/{len(cases)}] {case.name}, round {round_ + 1}: {system} ...", flush=True)
+                    load[system] = os.getloadavg()[0]
+                    if system == "DDP":
+                        row.ddp_runs.append(run_ddp(case, steps, work))
+                    else:
+                        row.pstrain_runs.append(run_pstrain_isolated(case, steps, args.ps_shards, work))
+                row.loads.append(f"DDP {load['DDP']:.2f} / pstrain {load['pstrain']:.2f}")
+            print(
+                f"    DDP step {row.ddp_step_ms:.1f} ms (compute {row.ddp_compute_ms:.1f}); "
+                f"pstrain step {row.pstrain_step_ms:.1f} ms = {row.ratio:.2f}x DDP ({row.rounds()})",
+                flush=True,
+            )
+    finally:
+        if args.keep:
+            print(f"run directories kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    load_end = _load()
+    print(f"load average at end: {load_end}\n\n{table(rows)}")
+    if not args.no_write:
+        write_results(rows, steps, args, (load_start, load_end), time.monotonic() - started)
+        print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
