@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from pstrain.coordinator.errors import ConfigError
+from pstrain.runtime.factories import BUILTIN_LOSSES
 from pstrain.runtime.optimizers import BadOption, OptimizerName, optimizer_entry
 from pstrain.runtime.units import parse_bytes
 
@@ -26,10 +28,41 @@ MemoryPolicy = Literal["auto", "keep", "swap"]
 EstimateName = Literal["factor", "increment", "iterative"]
 NonFinitePolicy = Literal["stop", "skip"]
 
+MAX_WORKERS = 1024
+"""``cluster.workers`` at most: one coordinator tracks every worker's heartbeats and data shards."""
+MAX_PS_SHARDS = 1024
+"""``cluster.ps_shards`` at most: every worker holds a channel and a push/pull stream to each."""
+MAX_DEVICES_PER_WORKER = 64
+"""``cluster.devices_per_worker`` at most: more devices than any one host has."""
+MAX_BATCH = 2**20
+"""``batch.per_device`` (and the memory planner's batch sizes) at most."""
+MAX_STEPS = 10**9
+"""Steps, warmup steps, checkpoint interval and data-shard size at most."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Every ``*_s`` duration at most: a week (a thread's wait overflows past ~1e9 s)."""
+MAX_BYTES = 2**50
+"""Memory sizes and bandwidths at most (1 PiB, 1 PiB/s)."""
+DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
+"""What ``cluster.devices_per_worker`` may list: ``cpu``, ``cuda``, ``cuda:N``."""
+
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def _bounded(value: float, key: str, low: float, high: float) -> None:
+    _require(value >= low, key, f"must be at least {low}, got {value}")
+    _require(value <= high, key, f"must be at most {high}, got {value}")
+
+
+def _check_finite(section: Any, prefix: str) -> None:
+    """Every number of a section, lists included, is finite: ``.inf`` and ``.nan`` parse as floats in YAML."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"{prefix}.{f.name}: must be a finite number, got {value}")
 
 
 def _choice_error(key: str, value: Any, hint: Any) -> ConfigError:
@@ -73,7 +106,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(":" in self.factory, "data.factory", f"{self.factory!r} must look like 'pkg.module:callable'")
-        _require(self.shard_size >= 1, "data.shard_size", f"must be at least 1, got {self.shard_size}")
+        _bounded(self.shard_size, "data.shard_size", 1, MAX_STEPS)
 
 
 @dataclass(frozen=True)
@@ -91,6 +124,7 @@ class OptimizerConfig:
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
+        _check_finite(self, "optimizer")
         _check_choices(self, "optimizer")
         _require(self.lr > 0, "optimizer.lr", f"must be positive, got {self.lr}")
         entry = optimizer_entry(self.name)
@@ -107,6 +141,8 @@ class OptimizerConfig:
             entry.validate(self.options())
         except BadOption as exc:
             raise ConfigError(f"optimizer.{exc.option}: {exc.message}") from None
+        # torch takes any dampening; outside [0, 1] it scales the gradient by a negative or >1 factor.
+        _require(0 <= self.dampening <= 1, "optimizer.dampening", f"must be in [0, 1], got {self.dampening}")
 
     def options(self) -> dict[str, Any]:
         """The options this optimizer takes, by job-file key: what its registry entry validates and builds with."""
@@ -130,10 +166,12 @@ class BatchConfig:
                 self.per_device == "auto", "batch.per_device", f"must be a number or 'auto', got {self.per_device!r}"
             )
         else:
-            _require(self.per_device >= 1, "batch.per_device", f"must be at least 1, got {self.per_device}")
-        _require(self.max_per_device is None or self.max_per_device >= 1, "batch.max_per_device", "must be at least 1")
+            _bounded(self.per_device, "batch.per_device", 1, MAX_BATCH)
+        if self.max_per_device is not None:
+            _bounded(self.max_per_device, "batch.max_per_device", 1, MAX_BATCH)
         _check_choices(self, "batch")
         _require(self.warmup_steps >= 0, "batch.warmup_steps", f"must be non-negative, got {self.warmup_steps}")
+        _require(self.warmup_steps <= MAX_STEPS, "batch.warmup_steps", f"must be at most {MAX_STEPS}")
 
 
 @dataclass(frozen=True)
@@ -143,7 +181,8 @@ class JobSection:
     name: str = "pstrain"
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 1, "job.steps", f"must be at least 1, got {self.steps}")
+        _bounded(self.steps, "job.steps", 1, MAX_STEPS)
+        _bounded(self.seed, "job.seed", 0, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -154,12 +193,24 @@ class ClusterConfig:
     """A count (GPUs 0..N-1, or CPU stand-ins without CUDA) or an explicit list like [cuda:0, cuda:1]."""
 
     def __post_init__(self) -> None:
-        _require(self.ps_shards >= 1, "cluster.ps_shards", f"must be at least 1, got {self.ps_shards}")
-        _require(self.workers >= 1, "cluster.workers", f"must be at least 1, got {self.workers}")
+        _bounded(self.ps_shards, "cluster.ps_shards", 1, MAX_PS_SHARDS)
+        _bounded(self.workers, "cluster.workers", 1, MAX_WORKERS)
+        key = "cluster.devices_per_worker"
         if isinstance(self.devices_per_worker, list):
-            _require(len(self.devices_per_worker) >= 1, "cluster.devices_per_worker", "the device list is empty")
+            _require(len(self.devices_per_worker) >= 1, key, "the device list is empty")
+            _require(
+                len(self.devices_per_worker) <= MAX_DEVICES_PER_WORKER,
+                key,
+                f"lists {len(self.devices_per_worker)} devices; at most {MAX_DEVICES_PER_WORKER}",
+            )
+            for name in self.devices_per_worker:
+                _require(
+                    isinstance(name, str) and DEVICE_NAME.fullmatch(name) is not None,
+                    key,
+                    f"{name!r} is not a device name; use cpu, cuda or cuda:N",
+                )
         else:
-            _require(self.devices_per_worker >= 1, "cluster.devices_per_worker", "must be at least 1")
+            _bounded(self.devices_per_worker, key, 1, MAX_DEVICES_PER_WORKER)
 
     @property
     def device_count(self) -> int:
@@ -180,13 +231,15 @@ class TransportConfig:
     pull_timeout_s: float = 600.0
     """A pull waits for the slowest worker of the step, so this bounds a step's duration."""
     heartbeat_s: float = 2.0
-    heartbeat_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 10.0
     """A member silent this long is declared failed."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "transport")
         _require(4096 <= self.chunk_bytes <= 64 * 1024 * 1024, "transport.chunk_bytes", "must be in [4 KiB, 64 MiB]")
         for key in ("push_timeout_s", "pull_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
             _require(getattr(self, key) > 0, f"transport.{key}", "must be positive")
+            _require(getattr(self, key) <= MAX_TIMEOUT_S, f"transport.{key}", f"must be at most {MAX_TIMEOUT_S:.0f}")
         _require(
             self.heartbeat_timeout_s > 2 * self.heartbeat_s,
             "transport.heartbeat_timeout_s",
@@ -224,21 +277,29 @@ class MemoryConfig:
     """Shrink-and-probe-again rounds before the job fails."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "memory")
         _check_choices(self, "memory")
         _require(0 <= self.margin < 1, "memory.margin", f"must be in [0, 1), got {self.margin}")
         _require(self.prefetch >= 0, "memory.prefetch", "must be non-negative")
-        _require(self.factor >= 1, "memory.factor", f"must be at least 1, got {self.factor}")
+        _require(self.prefetch <= 1024, "memory.prefetch", f"must be at most 1024, got {self.prefetch}")
+        _bounded(self.factor, "memory.factor", 1, 100)
         _require(0 < self.target_utilization <= 1, "memory.target_utilization", "must be in (0, 1]")
-        _require(self.max_probe_rounds >= 1, "memory.max_probe_rounds", "must be at least 1")
+        _bounded(self.max_probe_rounds, "memory.max_probe_rounds", 1, 100)
         b = self.profile_batches
         _require(len(b) == 2 and 0 < b[0] < b[1], "memory.profile_batches", f"must be two sizes b1 < b2, got {b}")
+        _require(b[1] <= MAX_BATCH, "memory.profile_batches", f"must be at most {MAX_BATCH}, got {b}")
         for key in ("device_memory", "bandwidth", "pinned_limit", "increment"):
             value = getattr(self, key)
-            if value is not None:
-                try:
-                    parse_bytes(value)
-                except ValueError as exc:
-                    raise ConfigError(f"memory.{key}: {exc}") from None
+            if value is None:
+                continue
+            try:
+                size = parse_bytes(value)
+            except ValueError as exc:
+                raise ConfigError(f"memory.{key}: {exc}") from None
+            except OverflowError:
+                raise ConfigError(f"memory.{key}: {value!r} is too large") from None
+            low = 1 if key in ("device_memory", "bandwidth") else 0
+            _require(low <= size <= MAX_BYTES, f"memory.{key}", f"must be in [{low} B, 1 PiB], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -253,7 +314,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 0, "checkpoint.every_steps", f"must be non-negative, got {self.every_steps}")
-        _require(self.keep >= 1, "checkpoint.keep", f"must be at least 1, got {self.keep}")
+        _require(self.every_steps <= MAX_STEPS, "checkpoint.every_steps", f"must be at most {MAX_STEPS}")
+        _bounded(self.keep, "checkpoint.keep", 1, 1000)
 
 
 @dataclass(frozen=True)
@@ -264,10 +326,19 @@ class FaultConfig:
     """``pstrain local``: how often a cluster whose process died is restarted from the last checkpoint."""
     restart_backoff_s: float = 1.0
     """``pstrain local``: wait before the first restart; doubles with each one."""
+    coordinator_timeout_s: float = 30.0
+    """A PS shard or worker that cannot reach the coordinator this long exits 1 (its unit restarts it)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "fault")
         _check_choices(self, "fault")
         _require(self.max_restarts >= 0, "fault.max_restarts", f"must be non-negative, got {self.max_restarts}")
+        _require(self.max_restarts <= 1000, "fault.max_restarts", f"must be at most 1000, got {self.max_restarts}")
+        _require(
+            0 < self.coordinator_timeout_s <= 3600,
+            "fault.coordinator_timeout_s",
+            f"must be in (0, 3600], got {self.coordinator_timeout_s}",
+        )
         _require(
             0 <= self.restart_backoff_s <= 600 and math.isfinite(self.restart_backoff_s),
             "fault.restart_backoff_s",
@@ -311,6 +382,13 @@ class EvalConfig:
     """``pkg.module:callable(model) -> dict`` run by ``pstrain local`` on the trained model."""
     kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        _require(
+            self.factory is None or ":" in self.factory,
+            "eval.factory",
+            f"{self.factory!r} must look like 'pkg.module:callable'",
+        )
+
 
 @dataclass(frozen=True)
 class JobConfig:
@@ -327,6 +405,13 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.loss in BUILTIN_LOSSES or ":" in self.loss,
+            "loss",
+            f"unknown loss {self.loss!r}: use one of {', '.join(sorted(BUILTIN_LOSSES))} or 'pkg.module:callable'",
+        )
 
     def with_steps(self, steps: int) -> JobConfig:
         return dataclasses.replace(self, job=dataclasses.replace(self.job, steps=steps))

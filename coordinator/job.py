@@ -76,6 +76,7 @@ class Directive:
     stop: bool
     state: JobState
     reason: str
+    retryable: bool = False  # FAILED, and restarting the cluster from the last checkpoint may succeed
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ class Job:
     def register_ps(self, shard_id: int, address: str, metrics_address: str = "") -> ShardRange:
         with self._cond:
             self._check_not_over()
+            if self.state != JobState.WAITING and self.membership.restarted_ps(shard_id, address):
+                self._roll_back(f"PS shard {shard_id} restarted at {address} and lost its state")
             self.membership.register_ps(shard_id, address, metrics_address)
             return self.shard_ranges[shard_id]
 
@@ -197,6 +200,9 @@ class Job:
     def register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str = "") -> int:
         with self._cond:
             self._check_not_over()
+            restarted = self.membership.restarted_worker(address, hostname) if self.state != JobState.WAITING else None
+            if restarted is not None:
+                self._roll_back(f"worker {restarted} on host {hostname} restarted")
             member = self.membership.register_worker(address, devices, hostname, metrics_address)
             self._maybe_start()
             return member.id
@@ -375,6 +381,12 @@ class Job:
         with self._cond:
             return self.membership.alive_count(role)
 
+    def _roll_back(self, reason: str) -> None:
+        """A member restarted mid-job: fail the job retryably, so every member exits 1 and the
+        service manager restarts the cluster, which resumes from the last committed checkpoint."""
+        self.fail(f"{reason}; the cluster restarts from the last committed checkpoint")
+        raise WrongState(self.message)
+
     def fail(self, reason: str, retryable: bool = True) -> None:
         """End the job as FAILED; ``retryable`` False when a restart would fail the same way."""
         with self._cond:
@@ -444,4 +456,5 @@ class Job:
             raise WrongState(f"job {self.job_id} is {self.state.name}: {self.message}")
 
     def _directive(self) -> Directive:
-        return Directive(stop=self.state.over, state=self.state, reason=self.message)
+        retryable = self.state == JobState.FAILED and self.failure_retryable
+        return Directive(stop=self.state.over, state=self.state, reason=self.message, retryable=retryable)

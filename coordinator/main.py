@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import threading
 import uuid
@@ -22,12 +21,11 @@ from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.job import Job, JobState
 from pstrain.coordinator.metrics import register_job_metrics
-from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import job_spec
 from pstrain.coordinator.planning import describe, plan_job, probe_setup
+from pstrain.coordinator.preflight import preflight
 from pstrain.coordinator.service import CoordinatorServicer
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.runtime.factories import FactoryError, build_dataset
 from pstrain.runtime.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
 from pstrain.runtime.member import EXIT_JOB_FAILED
@@ -64,11 +62,8 @@ def checkpoint_dir(cfg: JobConfig, out_dir: Path | None) -> Path | None:
 
 def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity = INSECURE, fresh: bool = False) -> Job:
     """Everything the coordinator knows before the first member calls, resumed from a checkpoint if any."""
-    model = ModelState(cfg)
-    try:
-        dataset = build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs))
-    except FactoryError as exc:
-        raise ConfigError(f"data.factory: {exc}") from exc
+    checked = preflight(cfg)  # every factory the job file names, once: a bad one fails here with its key
+    model, dataset = checked.model, checked.dataset
     dataset_size = len(dataset)  # type: ignore[arg-type]
     job_plan = plan_job(cfg, model.model, dataset, model.layout.total)
     plan = job_plan.plan
@@ -150,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = cfg.with_steps(args.steps)
         job = build_job(cfg, Path(args.out) if args.out else None, security, args.fresh)
     except (ConfigError, SecurityError) as exc:
-        log.error("cannot start job %s: %s", args.config, exc)
+        log.error("cannot start job %s: %s", args.config, exc, exc_info=exc.__cause__ is not None)
         return 2
     stop = threading.Event()
     stop_on_signals(stop)

@@ -134,7 +134,21 @@ class Membership:
         return len(self._ps) == self.ps_shards and all(m.ready for m in self._ps.values())
 
     def all_ps_done(self) -> bool:
-        return all(m.done for m in self._ps.values())
+        """Every PS shard heard the end of the job, or is gone (silent past the timeout)."""
+        return all(m.done or not self.alive(m) for m in self._ps.values())
+
+    def restarted_ps(self, shard_id: int, address: str) -> bool:
+        """A registration for a held shard id from its own address, or after its holder went silent:
+        the shard's process restarted (a live holder elsewhere is refused by ``register_ps``)."""
+        existing = self._ps.get(shard_id)
+        return existing is not None and (existing.address == address or not self.alive(existing))
+
+    def restarted_worker(self, address: str, hostname: str) -> int | None:
+        """The slot of a worker that restarted: one registered at ``address``, or a silent one on ``hostname``."""
+        for m in self._workers.values():
+            if m.address == address or (hostname and m.hostname == hostname and not self.alive(m)):
+                return m.id
+        return None
 
     def missing_ps(self) -> list[int]:
         """PS shard ids not (yet) registered and ready."""

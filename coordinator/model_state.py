@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from pstrain.coordinator.config import JobConfig
 from pstrain.coordinator.errors import ConfigError
 from pstrain.runtime.atomic_io import atomic_write
-from pstrain.runtime.factories import FactoryError, build_model
+from pstrain.runtime.factories import FactoryArgumentsError, FactoryError, build_model, describe_exception
 from pstrain.runtime.layout import ParamLayout
 
 
@@ -20,7 +21,8 @@ class ModelState:
             self.model = build_model(cfg.model.factory, json.dumps(cfg.model.kwargs), seed=cfg.job.seed)
             self.layout = ParamLayout.of(self.model)
         except FactoryError as exc:
-            raise ConfigError(f"model.factory: {exc}") from exc
+            key = "model.kwargs" if isinstance(exc, FactoryArgumentsError) else "model.factory"
+            raise ConfigError(f"{key}: {exc}") from exc
         if cfg.model.init_checkpoint:
             self._load_checkpoint(cfg.model.init_checkpoint)
         self.initial = self.layout.flatten(self.model)
@@ -28,12 +30,20 @@ class ModelState:
     def _load_checkpoint(self, path: str) -> None:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError) as exc:
-            raise ConfigError(f"model.init_checkpoint: cannot load {path}: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"model.init_checkpoint: cannot load {path}: {exc.strerror or exc}") from exc
+        except pickle.UnpicklingError as exc:
+            raise ConfigError(
+                f"model.init_checkpoint: cannot load {path}: not a state_dict torch.load(weights_only=True) can read"
+            ) from exc
+        except Exception as exc:  # noqa: BLE001 - not a file torch.load(weights_only=True) reads, whatever it is
+            raise ConfigError(f"model.init_checkpoint: cannot load {path}: {describe_exception(exc)}") from exc
         try:
             self.model.load_state_dict(state)
-        except RuntimeError as exc:
-            raise ConfigError(f"model.init_checkpoint: {path} does not fit the model: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - RuntimeError for other keys or shapes, TypeError for a non-dict
+            raise ConfigError(
+                f"model.init_checkpoint: {path} does not fit the model: {describe_exception(exc)}"
+            ) from exc
 
     def initial_range(self, start: int, end: int) -> torch.Tensor:
         return self.initial[start:end]

@@ -142,4 +142,5 @@ def job_spec(
         checkpoint_dir=checkpoint_dir,
         checkpoint_keep=cfg.checkpoint.keep,
         on_nonfinite=cfg.fault.on_nonfinite,
+        coordinator_timeout_s=cfg.fault.coordinator_timeout_s,
     )

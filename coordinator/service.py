@@ -34,7 +34,7 @@ DEFAULT_CLUSTER_WAIT_S = 600.0
 
 
 def _directive(d: Directive) -> pb.Directive:
-    return pb.Directive(stop=d.stop, state=d.state.name, reason=d.reason)
+    return pb.Directive(stop=d.stop, state=d.state.name, reason=d.reason, retryable=d.retryable)
 
 
 def _probe_report(m: pb.ProbeReport) -> ProbeReport:

@@ -1,46 +1,127 @@
-"""``pstrain``: the user's command. ``pstrain local`` trains a job on a localhost cluster."""
+"""``pstrain``: the user's command. ``pstrain local`` trains a job on a localhost cluster.
+
+Before it starts any process, ``pstrain local`` checks the job file (the schema), that this host
+can run the whole cluster (``check_local_host``) and everything the file names (``preflight``):
+a bad job file ends with exit 2 and one line naming the key, the traceback of the user's code
+in ``<out>/logs/launcher.log``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from pstrain.coordinator.config import JobConfig, load_config
 from pstrain.coordinator.errors import ConfigError
-from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import make_plan
 from pstrain.coordinator.planning import describe, plan_job
-from pstrain.launcher.local_cluster import LocalCluster, RestartPolicy, last_metrics, run_local
+from pstrain.coordinator.preflight import named, preflight
+from pstrain.launcher.local_cluster import LocalCluster, RestartPolicy, last_metrics, run_local, user_code_paths
 from pstrain.runtime.atomic_io import atomic_write
-from pstrain.runtime.factories import FactoryError, build_dataset, build_model, import_object
+from pstrain.runtime.factories import FactoryError, build_model, describe_exception, import_callable
+from pstrain.worker.devices import DeviceError, resolve_devices
+
+PROCESSES_PER_CPU = 4
+MIN_PROCESS_LIMIT = 8
+
+
+def local_process_limit() -> int:
+    """How many processes ``pstrain local`` starts on this host at most: 4 per usable CPU core, at least 8.
+
+    Each process is a Python interpreter with torch loaded and its own gRPC threads; past a few
+    per core the cluster spends its time switching between them and heartbeats time out.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(MIN_PROCESS_LIMIT, PROCESSES_PER_CPU * cpus)
+
+
+def check_local_host(cfg: JobConfig) -> None:
+    """What only ``pstrain local`` can check, because the whole cluster runs on this host."""
+    c = cfg.cluster
+    needed, limit = 1 + c.ps_shards + c.workers, local_process_limit()
+    if needed > limit:
+        raise ConfigError(
+            f"cluster.workers, cluster.ps_shards: this job needs 1 coordinator + {c.ps_shards} PS shard(s) + "
+            f"{c.workers} worker(s) = {needed} processes, more than this host runs ({limit}: "
+            f"{PROCESSES_PER_CPU} per CPU core, at least {MIN_PROCESS_LIMIT}); lower them, or run the services "
+            "on several hosts (ansible/)"
+        )
+    try:
+        resolve_devices(c.device_list, c.device_count)
+    except DeviceError as exc:
+        raise ConfigError(f"cluster.devices_per_worker: {exc}") from exc
+
+
+def import_user_code() -> None:
+    """Let this process import the job's factories from where its children do (``eval.factory`` runs here)."""
+    sys.path[0:0] = [path for path in user_code_paths() if path not in sys.path]
+
+
+def log_traceback(out_dir: Path, what: str, exc: BaseException) -> Path:
+    """Append ``exc``'s traceback (the user's code, through ``__cause__``) to ``<out>/logs/launcher.log``."""
+    path = out_dir / "logs" / "launcher.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as log:
+        log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pstrain[{os.getpid()}] {what}: {exc}\n")
+        log.write("".join(traceback.format_exception(exc)))
+    return path
+
+
+def bad_job_file(config: str, out_dir: Path | None, exc: ConfigError) -> int:
+    """Report a bad job file on one line (traceback to the launcher's log when user code raised); exit 2."""
+    line = f"pstrain: bad job file {config}: {' '.join(str(exc).split())}"
+    if exc.__cause__ is not None and out_dir is not None:
+        line += f" (traceback in {log_traceback(out_dir, f'bad job file {config}', exc)})"
+    print(line, file=sys.stderr)
+    return 2
 
 
 def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:
     """Run the job's eval callable on the exported model; results go to eval.json too."""
     if not cfg.eval.factory:
         return None
-    model = build_model(cfg.model.factory, json.dumps(cfg.model.kwargs))
+    try:
+        model = build_model(cfg.model.factory, json.dumps(cfg.model.kwargs))
+    except FactoryError as exc:
+        raise named("model", exc) from exc
     model.load_state_dict(torch.load(out_dir / "model.pt", map_location="cpu", weights_only=True))
     model.eval()
+    try:
+        fn = import_callable(cfg.eval.factory)
+    except FactoryError as exc:
+        raise named("eval", exc) from exc
     with torch.no_grad():
-        results = dict(import_object(cfg.eval.factory)(model, **cfg.eval.kwargs))
+        try:
+            returned = fn(model, **cfg.eval.kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's code: named here, traceback in the log
+            raise ConfigError(f"eval.factory: {cfg.eval.factory} raised {describe_exception(exc)}") from exc
+    try:
+        results = dict(returned)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"eval.factory: {cfg.eval.factory} returned a {type(returned).__name__}, not a mapping of names to numbers"
+        ) from exc
     atomic_write(out_dir / "eval.json", lambda fh: fh.write(json.dumps(results, indent=2).encode()))
     return results
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
     try:
         cfg = load_config(args.config)
         if args.steps is not None:
             cfg = cfg.with_steps(args.steps)
+        check_local_host(cfg)
+        preflight(cfg)
     except ConfigError as exc:
-        print(f"pstrain: bad job file {args.config}: {exc}", file=sys.stderr)
-        return 2
-    out_dir = Path(args.out)
+        return bad_job_file(args.config, out_dir, exc)
     summary = (
         make_plan(cfg).describe() if cfg.batch.per_device != "auto" else "per-device batch: auto (see `pstrain plan`)"
     )
@@ -56,9 +137,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         print(f"final loss {loss}, {metrics['samples_per_s']:.0f} samples/s")
     try:
         results = evaluate(cfg, out_dir)
-    except FactoryError as exc:
-        print(f"pstrain: eval.factory: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:
+        return bad_job_file(args.config, out_dir, exc)
     if results:
         print("eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in results.items()))
     return 0
@@ -68,11 +148,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan without starting a cluster."""
     try:
         cfg = load_config(args.config)
-        model = ModelState(cfg)
-        dataset = build_dataset(cfg.data.factory, json.dumps(cfg.data.kwargs))
-        job_plan = plan_job(cfg, model.model, dataset, model.layout.total, args.device_memory, args.bandwidth)
-    except (ConfigError, FactoryError, ValueError) as exc:
-        print(f"pstrain plan: {exc}", file=sys.stderr)
+        checked = preflight(cfg)
+        model = checked.model
+        job_plan = plan_job(cfg, model.model, checked.dataset, model.layout.total, args.device_memory, args.bandwidth)
+    except (ConfigError, ValueError) as exc:
+        print(f"pstrain plan: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(describe(job_plan))
     return 0
@@ -104,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import_user_code()
     return int(args.func(args))
 
 

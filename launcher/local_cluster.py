@@ -38,6 +38,12 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1
 
 
+def user_code_paths() -> list[str]:
+    """Where job files' factories import from in every process ``pstrain local`` runs, the launcher included:
+    pstrain's source root and the current directory (ahead of ``PYTHONPATH``)."""
+    return [str(SOURCE_ROOT), os.getcwd()]
+
+
 class ClusterFailure(RuntimeError):
     """A process of the local cluster died or the job failed."""
 
@@ -105,7 +111,7 @@ class LocalCluster:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        paths = [str(SOURCE_ROOT), os.getcwd(), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        paths = [*user_code_paths(), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["PYTHONUNBUFFERED"] = "1"
         return env

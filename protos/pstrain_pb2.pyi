@@ -104,7 +104,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite")
+    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite", "coordinator_timeout_s")
     class LayerPoliciesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class JobSpec(_message.Message):
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEEP_FIELD_NUMBER: _ClassVar[int]
     ON_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_factory: str
     model_kwargs_json: str
@@ -172,7 +173,8 @@ class JobSpec(_message.Message):
     checkpoint_dir: str
     checkpoint_keep: int
     on_nonfinite: str
-    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ...) -> None: ...
+    coordinator_timeout_s: float
+    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ..., coordinator_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -413,14 +415,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ..., id: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("stop", "state", "reason")
+    __slots__ = ("stop", "state", "reason", "retryable")
     STOP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     stop: bool
     state: JobState
     reason: str
-    def __init__(self, stop: _Optional[bool] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, stop: _Optional[bool] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class WatchProgressRequest(_message.Message):
     __slots__ = ("from_step",)

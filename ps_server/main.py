@@ -80,9 +80,11 @@ def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_
     servicer.attach(shard, job.chunk_bytes)
     member.ready(lambda: stub.ParameterServerReady(pb.PsReadyRequest(shard_id=shard_id), timeout=CONTROL_TIMEOUT_S))
     log.info("shard %d serving [%d, %d) of %d parameters", shard_id, reply.start, reply.end, job.total_params)
-    member.start_heartbeat(shard_id, job.heartbeat_s, stop_when_job_ends=True)
+    member.start_heartbeat(
+        shard_id, job.heartbeat_s, stop_when_job_ends=True, coordinator_timeout_s=job.coordinator_timeout_s
+    )
     member.stop.wait()
-    return 0
+    return member.abort_exit_code if member.aborted.is_set() else 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,9 +53,15 @@ from pstrain.runtime.transport import CONTROL_TIMEOUT_S, ServingServer, host_of,
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+EXIT_RESTART = 1
+"""The job failed in a way a restart of the cluster can mend (a member died or restarted, the
+coordinator was lost): systemd's ``Restart=on-failure`` restarts the member, which rejoins the
+restarted coordinator, and the job resumes from its last committed checkpoint."""
+
 EXIT_JOB_FAILED = 3
 """The job failed for a reason a restart would repeat (a non-finite loss under ``fault.on_nonfinite:
-stop``, or the coordinator aborted the job): a launcher restarts nothing on 2 or 3."""
+stop``, a failed probe): a launcher restarts nothing on 2 or 3, nor do the units
+(``RestartPreventExitStatus=2 3``)."""
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (SecurityError, 2),  # settings that cannot work: retrying will not help
@@ -143,7 +149,8 @@ class MemberProcess:
         self.args = args
         self.role = role  # "ps" | "worker", as the coordinator's Heartbeat names it
         self.stop = threading.Event()  # the body's cue to finish: a signal, or the coordinator
-        self.aborted = threading.Event()  # the coordinator failed the job
+        self.aborted = threading.Event()  # the coordinator failed the job, or was lost
+        self.abort_exit_code = EXIT_RESTART  # what the member exits with once ``aborted``
         self.state = MemberState.STARTING
         self.heartbeat: threading.Thread | None = None
         self._register = register
@@ -177,20 +184,31 @@ class MemberProcess:
         """Call ``close`` when draining, before the server stops; the last registered closes first."""
         self._resources.callback(close)
 
-    def start_heartbeat(self, member_id: int, interval_s: float, *, stop_when_job_ends: bool) -> None:
+    def start_heartbeat(
+        self, member_id: int, interval_s: float, *, stop_when_job_ends: bool, coordinator_timeout_s: float = 30.0
+    ) -> None:
         """Heartbeat every ``interval_s`` in a thread until draining or until the coordinator says stop.
 
-        A FAILED job sets ``aborted`` and ``stop``. A job that ended otherwise sets ``stop`` only
-        with ``stop_when_job_ends``: a PS lives as long as the job, while a worker finishes on its
-        own (worker 0 still uploads the model buffers) and must not be cut short. Each beat carries
-        this process's RSS (the coordinator's PS memory forecast, S2.4) and checks its trend against
-        this process's own limit (``memory_guard``), which the coordinator cannot see.
+        A FAILED job sets ``aborted`` (exit ``EXIT_RESTART`` if the coordinator says a restart may
+        mend it, else ``EXIT_JOB_FAILED``) and ``stop``. So does losing the coordinator: no answer
+        for ``coordinator_timeout_s``, or an answer that it does not know this member (it restarted
+        and holds a new job): the member exits 1 and its unit restarts it to rejoin. A job that
+        ended otherwise sets ``stop`` only with ``stop_when_job_ends``: a PS lives as long as the
+        job, while a worker finishes on its own (worker 0 still uploads the model buffers) and must
+        not be cut short. Each beat carries this process's RSS (the coordinator's PS memory
+        forecast, S2.4) and checks its trend against this process's own limit (``memory_guard``),
+        which the coordinator cannot see.
         """
         if self.heartbeat is not None:
             raise RuntimeError("the heartbeat is already running")
         self.heartbeat = threading.Thread(
             target=self._heartbeat_loop,
-            args=(pb.HeartbeatRequest(role=self.role, id=member_id), interval_s, stop_when_job_ends),
+            args=(
+                pb.HeartbeatRequest(role=self.role, id=member_id),
+                interval_s,
+                stop_when_job_ends,
+                coordinator_timeout_s,
+            ),
             name="heartbeat",
             daemon=True,
         )
@@ -251,27 +269,52 @@ class MemberProcess:
             log.error("%s", exc)
         return next(code for error, code in self._exit_codes if isinstance(exc, error))
 
-    def _heartbeat_loop(self, request: pb.HeartbeatRequest, interval_s: float, stop_when_job_ends: bool) -> None:
+    def _heartbeat_loop(
+        self, request: pb.HeartbeatRequest, interval_s: float, stop_when_job_ends: bool, coordinator_timeout_s: float
+    ) -> None:
+        last_answer = time.monotonic()
         while not self._heartbeat_off.wait(interval_s):
             request.rss_bytes = rss_bytes()
             self.memory_guard.observe(request.rss_bytes)
             try:
-                directive = self.coordinator.Heartbeat(request, timeout=CONTROL_TIMEOUT_S)
+                directive = self.coordinator.Heartbeat(request, timeout=min(CONTROL_TIMEOUT_S, coordinator_timeout_s))
             except grpc.RpcError as exc:
-                if not self._heartbeat_off.is_set():
-                    log.warning("heartbeat to coordinator failed: %s", exc.details())
+                if self._heartbeat_off.is_set():
+                    return
+                silent_s = time.monotonic() - last_answer
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    self._abort(
+                        EXIT_RESTART,
+                        f"the coordinator no longer knows this member ({exc.details()}); "
+                        "it restarted: exiting to rejoin",
+                    )
+                    return
+                if silent_s > coordinator_timeout_s:
+                    self._abort(
+                        EXIT_RESTART,
+                        f"lost the coordinator at {self.args.coordinator}: no answer for "
+                        f"{silent_s:.0f}s ({exc.details()}); exiting so this member is restarted",
+                    )
+                    return
+                log.warning("heartbeat to coordinator failed (%.0fs without an answer): %s", silent_s, exc.details())
                 continue
+            last_answer = time.monotonic()
             if not directive.stop:
                 continue
             if directive.state == pb.FAILED:
-                log.error("coordinator aborted the job: %s", directive.reason)
-                self.aborted.set()
-                self.stop.set()
+                code = EXIT_RESTART if directive.retryable else EXIT_JOB_FAILED
+                self._abort(code, f"coordinator aborted the job: {directive.reason}")
             else:
                 log.info("coordinator says stop: %s", directive.reason)
                 if stop_when_job_ends:
                     self.stop.set()
             return
+
+    def _abort(self, exit_code: int, reason: str) -> None:
+        log.error("%s", reason)
+        self.abort_exit_code = exit_code
+        self.aborted.set()
+        self.stop.set()
 
     def _enter(self, state: MemberState) -> None:
         if state not in _NEXT[self.state]:

@@ -56,8 +56,10 @@ class RecordingDataset(Dataset):
     """``classification_set`` that appends every index it reads to ``<record_dir>/reads-<pid>.txt``.
 
     Which worker trains which data shard depends on who asks the coordinator first, so a test
-    that checks the data split end to end needs each worker's reads in order. Opened lazily,
-    so a process that only asks for the length (the coordinator, the launcher) leaves no file.
+    that checks the data split end to end needs each worker's reads in order. Only a worker
+    process (one that imported the trainer) records: the launcher and the coordinator read
+    sample 0 to check the dataset before anything starts (``coordinator/preflight.py``), which
+    is not training data. The file is opened lazily, so a process that never reads leaves none.
     """
 
     def __init__(self, n: int, record_dir: str) -> None:
@@ -68,6 +70,8 @@ class RecordingDataset(Dataset):
         return len(self.inner)
 
     def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+        if "pstrain.worker.trainer" not in sys.modules:
+            return self.inner[index]
         with open(self.record_dir / f"reads-{os.getpid()}.txt", "a") as log:
             log.write(f"{index}\n")
         return self.inner[index]
@@ -213,3 +217,28 @@ def nan_set(n: int = 16, nan_at: int = 0) -> TensorDataset:
     inputs = inputs.clone()
     inputs[nan_at] = float("nan")
     return TensorDataset(inputs, targets)
+
+
+# Broken factories for the job-file preflight (tests/test_job_file_errors.py).
+
+
+def raising_model(message: str = "hidden must be even") -> nn.Module:
+    raise ValueError(message)
+
+
+def parameterless_model() -> nn.Module:
+    return nn.Sequential(nn.ReLU())
+
+
+def text_samples(n: int = 8) -> list[tuple[str, int]]:
+    """A map-style dataset (a list) whose inputs are strings, not tensors."""
+    return [("seven", 7)] * n
+
+
+def empty_set() -> TensorDataset:
+    return TensorDataset(torch.empty(0, 5), torch.empty(0, dtype=torch.int64))
+
+
+def mean_output(model: nn.Module, n: int = 4) -> dict[str, float]:
+    """An eval callable: the model's mean output on ``n`` fixed inputs."""
+    return {"mean_output": float(model(classification_set(n).tensors[0]).mean())}

@@ -124,6 +124,7 @@ def test_playbook_installs_everything(deployed, tmp_path):
     venv = root / "opt/pstrain/venv"
     worker = (units / "pstrain-worker.service").read_text()
     assert "Type=notify" in worker and "Restart=on-failure" in worker and "MemoryMax=16G" in worker
+    assert "RestartPreventExitStatus=2 3" in worker
     assert f"ExecStart={venv}/bin/pstrain-worker --coordinator localhost:7070" in worker
     assert "--devices cpu,cpu" in worker and "--token-file /etc/pstrain/token" in worker
     assert "PrivateDevices=" not in worker and "MemoryDenyWriteExecute=" not in worker

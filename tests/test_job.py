@@ -56,7 +56,7 @@ def start(job):
     for i in range(3):
         job.register_ps(i, f"127.0.0.1:{5000 + i}")
         job.ps_ready(i)
-    return [job.register_worker("127.0.0.1:0", [], "h") for _ in range(2)]
+    return [job.register_worker(f"127.0.0.1:{6000 + i}", [], "h") for i in range(2)]
 
 
 def report(worker, step, loss=1.0):
@@ -453,3 +453,30 @@ def test_servicer_translates_messages_and_errors(tmp_path):
         channel.close()
         server.stop(0)
         job.close()
+
+
+def test_a_member_that_restarts_mid_job_rolls_the_cluster_back(tmp_path):
+    """Under systemd a restarted PS shard (its state lost) or worker re-registers: the job fails
+    retryably, every member is told so (and exits 1 for its unit to restart it), and the restarted
+    coordinator resumes from the last committed checkpoint."""
+    job, _, _, _ = make_job(tmp_path)
+    start(job)
+    with pytest.raises(WrongState, match="PS shard 1 restarted at 127.0.0.1:5001"):
+        job.register_ps(1, "127.0.0.1:5001")
+    assert job.state == JobState.FAILED and job.failure_retryable
+    directive = job.heartbeat("worker", 0)
+    assert directive.stop and directive.retryable and "last committed checkpoint" in directive.reason
+
+    job, _, _, _ = make_job(tmp_path / "w")
+    start(job)
+    with pytest.raises(WrongState, match="worker 1 on host h restarted"):
+        job.register_worker("127.0.0.1:6001", [], "h")
+    assert job.heartbeat("ps", 0).retryable
+
+
+def test_a_job_that_a_restart_would_not_mend_says_so(tmp_path):
+    job, _, _, _ = make_job(tmp_path)
+    start(job)
+    job.fail("non-finite loss", retryable=False)
+    directive = job.heartbeat("worker", 0)
+    assert directive.stop and not directive.retryable

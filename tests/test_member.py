@@ -5,6 +5,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -250,3 +251,62 @@ def test_unusable_security_settings_exit_2_before_anything_starts(tmp_path, noti
     assert member.state is MemberState.STOPPED and notify() == []
     with pytest.raises(RuntimeError, match="has not started"):
         _ = member.served
+
+
+@pytest.mark.parametrize("retryable, code", [(True, 1), (False, 3)])
+def test_a_failed_job_exits_1_when_a_restart_may_mend_it_else_3(tmp_path, coordinator, notify, retryable, code):
+    failed = pb.Directive(stop=True, state=pb.FAILED, reason="ps 1 restarted", retryable=retryable)
+    _, address = coordinator(failed)
+    member = make_member(member_args(address, tmp_path))
+
+    def body(m: MemberProcess) -> int:
+        m.start_heartbeat(0, 0.01, stop_when_job_ends=True)
+        assert m.stop.wait(WAIT_S)
+        return m.abort_exit_code if m.aborted.is_set() else 0
+
+    assert member.run(body) == code
+
+
+class ForgetfulCoordinator(pb_grpc.CoordinatorServicer):
+    """A coordinator that restarted: it answers NOT_FOUND for members of the job it lost."""
+
+    def Heartbeat(self, request, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, f"{request.role} {request.id} is not registered")
+
+
+def test_a_member_the_restarted_coordinator_does_not_know_exits_1_to_rejoin(tmp_path, notify):
+    server = start_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, ForgetfulCoordinator())], [])
+    try:
+        member = make_member(member_args(f"127.0.0.1:{server.port}", tmp_path))
+
+        def body(m: MemberProcess) -> int:
+            m.start_heartbeat(0, 0.01, stop_when_job_ends=True, coordinator_timeout_s=600)
+            assert m.stop.wait(WAIT_S), "NOT_FOUND ends the member at once, long before the timeout"
+            return m.abort_exit_code if m.aborted.is_set() else 0
+
+        assert member.run(body) == 1
+    finally:
+        server.stop(0)
+
+
+def test_a_member_that_loses_the_coordinator_exits_1_after_the_timeout(tmp_path, notify):
+    servicer = ScriptedCoordinator(NO_STOP)
+    server = start_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, servicer)], [])
+    member = make_member(member_args(f"127.0.0.1:{server.port}", tmp_path))
+
+    def body(m: MemberProcess) -> int:
+        m.start_heartbeat(0, 0.05, stop_when_job_ends=True, coordinator_timeout_s=1.0)
+        deadline = time.monotonic() + WAIT_S
+        while not servicer.heartbeats and time.monotonic() < deadline:
+            m.stop.wait(0.01)
+        server.stop(0)  # the coordinator dies: every heartbeat from now on fails
+        lost = time.monotonic()
+        assert m.stop.wait(WAIT_S)
+        assert time.monotonic() - lost >= 1.0, "not before the timeout"
+        return m.abort_exit_code if m.aborted.is_set() else 0
+
+    try:
+        assert member.run(body) == 1
+        assert servicer.heartbeats
+    finally:
+        server.stop(0)

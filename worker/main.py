@@ -3,9 +3,11 @@
 Start order: serve status (NOT_SERVING) -> register with the coordinator -> wait until every
 PS shard serves -> build one replica per device -> pull version 0 -> SERVING -> train to the
 job's last step -> (worker 0) upload the model buffers -> exit 0. SIGTERM, even during a
-blocked pull, cancels the in-flight PS calls and exits 0. A job that failed for a reason a
-restart would repeat exits ``EXIT_JOB_FAILED`` (3): the coordinator aborted it, or this worker
-computed a non-finite loss or gradient under ``fault.on_nonfinite: stop``.
+blocked pull, cancels the in-flight PS calls and exits 0. A job the coordinator failed exits
+1 when a restart of the cluster may mend it (a member died or restarted; the coordinator was
+lost), so the unit restarts this worker to rejoin, and ``EXIT_JOB_FAILED`` (3) when a restart
+would fail the same way (this worker computed a non-finite loss or gradient under
+``fault.on_nonfinite: stop``).
 The skeleton (serve, ready, heartbeat, drain) is ``MemberProcess``; this module is the join.
 """
 
@@ -23,7 +25,7 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.factories import FactoryError, LossFn, build_dataset, build_model, resolve_loss
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED, MemberProcess, add_member_flags
+from pstrain.runtime.member import EXIT_JOB_FAILED, EXIT_RESTART, MemberProcess, add_member_flags
 from pstrain.runtime.ps_api import PsClientError
 from pstrain.runtime.ps_client import PsClient
 from pstrain.worker.coordinator_link import CoordinatorLink
@@ -119,7 +121,7 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
     if errors:
         raise errors[0]
     if trainer.progress.state == "failed":
-        return EXIT_JOB_FAILED
+        return EXIT_RESTART if trainer.restart_may_help else EXIT_JOB_FAILED
     return None if trainer.progress.state == "finished" else 0
 
 
@@ -132,7 +134,9 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
     devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
     servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
     log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
-    member.start_heartbeat(reply.worker_id, job.heartbeat_s, stop_when_job_ends=False)
+    member.start_heartbeat(
+        reply.worker_id, job.heartbeat_s, stop_when_job_ends=False, coordinator_timeout_s=job.coordinator_timeout_s
+    )
     cluster = link.wait_for_cluster(args.cluster_timeout_s)
     job = cluster.job  # final: the probe may have changed the batch and the memory plan
     layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))
@@ -159,7 +163,7 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
     member.ready()
     outcome = run_interruptibly(trainer, member.stop)
     if member.aborted.is_set():
-        return EXIT_JOB_FAILED
+        return member.abort_exit_code
     if outcome is not None:
         return outcome
     buffers = replicas.buffers()

@@ -89,6 +89,7 @@ class Trainer:
         self.stop = stop
         self.retry = retry
         self.progress = TrainerProgress()
+        self.restart_may_help = False  # the coordinator failed the job and says a cluster restart may mend it
         self.skip_nonfinite = job.on_nonfinite == "skip"  # else stop: the spec's default
         self._ran = 0  # steps this run() has completed
 
@@ -125,6 +126,7 @@ class Trainer:
             if directive.stop and step + 1 < self.job.steps:
                 log.warning("coordinator stopped the job at step %d: %s", step, directive.reason)
                 self.progress.state = "failed" if directive.state == pb.FAILED else "stopped"
+                self.restart_may_help = directive.retryable
                 return
         self.progress.state = "finished"
 
