@@ -95,6 +95,25 @@ def time_pushpull(total: int, shards: int, chunk_bytes: int, steps: int) -> list
             proc.join(30)
 
 
+def time_shard_alone(total: int, steps: int) -> list[float]:
+    """The shard's share of a step: a push that completes the step, without gRPC."""
+    torch.set_num_threads(1)  # as serve_shard
+    shard = ParameterShard(0, 0, total, torch.zeros(total), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(), 1)
+    grads = torch.randn(total)
+    times = []
+    for step in range(steps + 2):
+        started = time.perf_counter()
+        shard.push(0, step, grads, 1)
+        if step >= 2:
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def _per_step(times: list[float], moved: int) -> tuple[float, float]:
+    med = statistics.median(times)
+    return med, moved / med / MB
+
+
 def echo_server(conn, nbytes: int) -> None:  # type: ignore[no-untyped-def]
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send(listener.getsockname()[1])
@@ -283,6 +302,14 @@ def main() -> int:
         f"pstrain push+pull S=2, chunk {default} KiB", time_pushpull(args.params, 2, default * 1024, args.steps)
     )
 
+    rows.append(
+        (
+            "shard push + SGD update alone, in process (no wire)",
+            *_per_step(time_shard_alone(args.params, args.steps), moved),
+        )
+    )
+    print(f"{rows[-1][0]:<40} {rows[-1][1] * 1e3:9.1f} ms", flush=True)
+
     ratios = [
         ("pstrain S=1 / raw TCP", s1 / tcp),
         ("pstrain S=2 / raw TCP", s2 / tcp),
@@ -294,14 +321,16 @@ def main() -> int:
         print(f"{name:<40} {ratio:6.2f}x")
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()[0]  # other processes on the host skew every row, the ratios less
     lines = [
         "# Push+pull throughput (bench/pushpull.py)",
         "",
-        f"Run {when} on {platform.machine()} with {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"Run {when} on {platform.machine()} with {os.cpu_count()} cores (load average {load:.1f} at the end), "
+        f"Python {platform.python_version()}, "
         f"torch {torch.__version__}, grpcio {grpc.__version__}. Model: {args.params:,} float32 parameters "
         f"({nbytes / MB:.0f} MB), one worker, {args.steps} timed steps after 2 warm-up steps (median). "
         "Throughput = 2 x model bytes / step time. PS shards and peers run in separate processes on loopback; "
-        "every pstrain step includes the shard's SGD update.",
+        "every pstrain step includes the shard's SGD update, timed alone in the last row (no wire).",
         "",
         "| what | median time per step | throughput |",
         "|---|---:|---:|",

@@ -112,7 +112,7 @@ class _Slicing:
         tensor = tensor.contiguous()
         item = tensor.element_size()
         step = max(1, chunk_bytes // item) * item
-        return cls(wire, item, list(tensor.shape), memoryview(_byte_view(tensor)), step)
+        return cls(wire, item, list(tensor.shape), _byte_view(tensor).data, step)
 
     def starts(self) -> range:
         """Byte offsets of the chunks; an empty tensor still has one (its dtype and shape travel)."""

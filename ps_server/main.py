@@ -48,12 +48,10 @@ def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_
     """Join as shard ``shard_id``, serve it until the job ends or SIGTERM."""
     log.info("shard %d listening on %s", shard_id, member.served.address)
     stub = member.coordinator
-    reply = stub.RegisterParameterServer(
-        pb.RegisterPsRequest(
-            shard_id=shard_id, address=member.served.address, metrics_address=member.served.metrics_address
-        ),
-        timeout=CONTROL_TIMEOUT_S,
+    request = pb.RegisterPsRequest(
+        shard_id=shard_id, address=member.served.address, metrics_address=member.served.metrics_address
     )
+    reply = member.join(lambda: stub.RegisterParameterServer(request, timeout=CONTROL_TIMEOUT_S))
     job = reply.job
     policy = None
     if job.checkpoint_dir and job.checkpoint_every_steps > 0:

@@ -63,6 +63,9 @@ EXIT_JOB_FAILED = 3
 stop``, a failed probe): a launcher restarts nothing on 2 or 3, nor do the units
 (``RestartPreventExitStatus=2 3``)."""
 
+JOIN_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+"""Registration errors that mean "not yet": a restarting coordinator, or one whose failed job is ending."""
+
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (SecurityError, 2),  # settings that cannot work: retrying will not help
     (grpc.RpcError, 1),
@@ -213,6 +216,23 @@ class MemberProcess:
             daemon=True,
         )
         self.heartbeat.start()
+
+    def join(self, register: Callable[[], T]) -> T:
+        """Call ``register`` (the member's registration RPC), retrying while the coordinator cannot
+        take it yet: it is restarting (UNAVAILABLE) or still winding down the job it failed
+        (FAILED_PRECONDITION). Bounded by ``--connect-timeout-s``; a stop ends it at once."""
+        deadline = time.monotonic() + self.args.connect_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                return register()
+            except grpc.RpcError as exc:
+                if exc.code() not in JOIN_RETRYABLE or time.monotonic() + delay > deadline:
+                    raise
+                log.info("coordinator cannot take this member yet (%s: %s); retrying", exc.code().name, exc.details())
+            if self.stop.wait(delay):
+                raise ConnectionError("stopped while joining the job")
+            delay = min(2.0, delay * 2)
 
     def ready(self, announce: Callable[[], object] | None = None) -> None:
         """Health SERVING, the port file, ``announce`` (tell the coordinator), READY=1: in that order,

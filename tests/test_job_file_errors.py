@@ -23,7 +23,7 @@ from pstrain.coordinator.config import MAX_DEVICES_PER_WORKER, MAX_PS_SHARDS, MA
 from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.preflight import preflight
 from pstrain.launcher import cli
-from tests.helpers import child_env, odd_mlp, pids_with_marker, run_local, write_job
+from tests.helpers import REPO_ROOT, child_env, odd_mlp, pids_with_marker, run_local, write_job
 
 BASE = {
     "model": {"factory": "tests.helpers:odd_mlp"},
@@ -302,8 +302,9 @@ def test_eval_factory_imports_from_the_current_directory_like_the_others(tmp_pat
     path = write_job(tmp_path / "job.yaml", eval={"factory": "localeval:score"})
     pstrain = Path(sys.executable).parent / "pstrain"
     cmd = [str(pstrain), "plan", "--config", str(path), "--device-memory", "1GiB", "--bandwidth", "10GB/s"]
-    ok = subprocess.run(cmd, cwd=tmp_path, env=child_env("plan"), capture_output=True, text=True, timeout=120)
+    env = {**child_env("plan"), "PYTHONPATH": str(REPO_ROOT)}  # no empty entry: that would mean the cwd
+    ok = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     write_job(path, eval={"factory": "localeval:no_such_eval"})
-    bad = subprocess.run(cmd, cwd=tmp_path, env=child_env("plan"), capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "eval.factory: module 'localeval' has no attribute 'no_such_eval'" in bad.stderr

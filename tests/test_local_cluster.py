@@ -115,5 +115,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     job = write_job(tmp_path / "job.yaml", model={"factory": "tests.helpers:no_such_model"})
     marker = uuid.uuid4().hex
     result = run_local(job, tmp_path / "out", marker)
-    assert result.returncode == 1 and "no attribute 'no_such_model'" in result.stderr
+    assert result.returncode == 2 and "no attribute 'no_such_model'" in result.stderr
+    assert "model.factory: module 'tests.helpers' has no attribute 'no_such_model'" in result.stderr
+    assert not (tmp_path / "out" / "logs" / "coordinator.log").exists(), "refused before starting anything"
     assert not pids_with_marker(marker)

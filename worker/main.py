@@ -129,7 +129,9 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
     """Join as a worker, train to the job's last step (or until stopped); the exit code."""
     link = CoordinatorLink(member.channel)
     requested = [d for d in args.devices.split(",") if d]
-    reply = link.register(member.served.address, requested, socket.gethostname(), member.served.metrics_address)
+    reply = member.join(
+        lambda: link.register(member.served.address, requested, socket.gethostname(), member.served.metrics_address)
+    )
     job = reply.job
     devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
     servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
