@@ -154,18 +154,28 @@ def discard(directory: Path) -> None:
         manifest_path(directory, step).unlink(missing_ok=True)
 
 
-def resume_point(directory: Path, digest: str, steps: int, fresh: bool) -> Manifest | None:
-    """The checkpoint to resume from: the newest committed one of this job file, if unfinished.
+def resume_point(directory: Path, digest: str, steps: int, fresh: bool, export: Path | None = None) -> Manifest | None:
+    """The checkpoint to resume from: the newest committed one of this job file before ``steps``.
 
-    ``fresh`` discards what is there. A run that already reached ``steps`` is not resumed (there
-    is nothing left to train): its checkpoints are discarded and the job trains anew.
+    ``fresh`` discards what is there. A run that reached ``steps`` and wrote its model
+    (``export`` newer than its final manifest) is finished: its checkpoints are discarded and the
+    job trains anew. One that reached ``steps`` but died before its model was written resumes
+    from its newest earlier checkpoint, so only the tail is trained again.
     """
     if fresh:
         discard(directory)
         return None
     manifest = newest_manifest(directory, digest)
-    if manifest is not None and manifest.step >= steps:
+    if manifest is None or manifest.step < steps:
+        return manifest
+    final = manifest_path(directory, manifest.step)
+    if export is not None and export.exists() and export.stat().st_mtime_ns >= final.stat().st_mtime_ns:
         log.info("the checkpoints in %s are of a finished run (step %d); training anew", directory, manifest.step)
         discard(directory)
         return None
-    return manifest
+    earlier = [s for s in committed_steps(directory) if s < steps]
+    if not earlier:
+        discard(directory)
+        return None
+    log.info("the run reached step %d but its model was not written; resuming from step %d", manifest.step, earlier[-1])
+    return read_manifest(directory, earlier[-1])

@@ -79,7 +79,8 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
     resume, ledger = None, None
     if directory is not None:
         try:
-            resume = resume_point(directory, job_hash(dataclasses.asdict(cfg)), plan.steps, fresh)
+            export = out_dir / "model.pt" if out_dir is not None else None
+            resume = resume_point(directory, job_hash(dataclasses.asdict(cfg)), plan.steps, fresh, export)
         except CheckpointMismatch as exc:
             raise ConfigError(f"checkpoint.dir: {exc}") from exc
         if resume is not None and probe is not None:

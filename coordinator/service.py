@@ -119,9 +119,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.Empty()
 
     @translate
-    def ReportCheckpoint(self, request: pb.CheckpointWritten, context: grpc.ServicerContext) -> pb.Empty:
+    def ReportCheckpoint(self, request: pb.CheckpointWritten, context: grpc.ServicerContext) -> pb.CheckpointAck:
         self.job.checkpoint_written(request.shard_id, request.step)
-        return pb.Empty()
+        return pb.CheckpointAck(committed_step=self.job.checkpoint_step)
 
     @translate
     def RegisterWorker(

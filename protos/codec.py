@@ -378,9 +378,10 @@ def encode_push_chunks(tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BY
 class EncodedReplies:
     """The ``PullReply`` messages of one published version, each built on first use and kept.
 
-    A shard publishes a new tensor per version and never writes it again, so every pull of
-    that version (all W workers) is served from these bytes: one copy out of the tensor per
-    version, not per pull. Not thread-safe: one event loop fills it.
+    Every pull of a version (all W workers) is served from these bytes: one copy out of the
+    tensor per version, not per pull. The servicer encodes them all (``encode_all``) while it
+    holds the shard's read lease on the published buffer, which the shard reuses for a later
+    version once nobody holds it.
     """
 
     def __init__(self, version: int, tensor: torch.Tensor, chunk_bytes: int) -> None:
@@ -393,6 +394,13 @@ class EncodedReplies:
 
     def __len__(self) -> int:
         return len(self._messages)
+
+    def encode_all(self) -> EncodedReplies:
+        """Build every message now, so the tensor is no longer needed."""
+        for index in range(len(self._messages)):
+            self[index]
+        self._slicing = None  # type: ignore[assignment]  # drop the tensor
+        return self
 
     def __getitem__(self, index: int) -> bytes:
         message = self._messages[index]

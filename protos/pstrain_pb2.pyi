@@ -288,6 +288,12 @@ class CheckpointWritten(_message.Message):
     step: int
     def __init__(self, shard_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
+class CheckpointAck(_message.Message):
+    __slots__ = ("committed_step",)
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    committed_step: int
+    def __init__(self, committed_step: _Optional[int] = ...) -> None: ...
+
 class InitialParametersRequest(_message.Message):
     __slots__ = ("shard_id",)
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]

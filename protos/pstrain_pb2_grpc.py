@@ -210,7 +210,7 @@ class CoordinatorStub:
         self.ReportCheckpoint = channel.unary_unary(
                 '/pstrain.v1.Coordinator/ReportCheckpoint',
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.CheckpointWritten.SerializeToString,
-                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.CheckpointAck.FromString,
                 _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/pstrain.v1.Coordinator/RegisterWorker',
@@ -372,7 +372,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'ReportCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportCheckpoint,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.CheckpointWritten.FromString,
-                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.CheckpointAck.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
@@ -532,7 +532,7 @@ class Coordinator:
             target,
             '/pstrain.v1.Coordinator/ReportCheckpoint',
             pstrain_dot_protos_dot_pstrain__pb2.CheckpointWritten.SerializeToString,
-            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+            pstrain_dot_protos_dot_pstrain__pb2.CheckpointAck.FromString,
             options,
             channel_credentials,
             insecure,

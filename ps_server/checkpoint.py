@@ -8,8 +8,9 @@ commits checkpoint ``step`` only after every shard has confirmed it.
 
 Snapshots are written in order and never skipped: if the disk is slower than the checkpoint
 frequency, the next ``submit`` waits (training slows) rather than leaving a step some shard
-never wrote. Each shard keeps its ``keep + 1`` newest files: a committed checkpoint is one
-every shard wrote, so the last ``keep`` committed ones are always among them.
+never wrote. A shard deletes only files older than the newest step the coordinator reports
+committed (keeping ``keep - 1`` of those), so the last ``keep`` committed checkpoints are
+always on disk whatever the shards' relative speeds.
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ class CheckpointWriter:
         directory: Path,
         shard_id: int,
         keep: int,
-        on_written: Callable[[int], None],
+        on_written: Callable[[int], int | None],
     ) -> None:
+        """``on_written(step)`` reports a durable file and returns the newest committed step, if known."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.directory = directory
@@ -130,20 +132,35 @@ class CheckpointWriter:
         self.keep = keep
         self._on_written = on_written
         self._queue: queue.Queue[ShardState | None] = queue.Queue(maxsize=1)
+        self._closed = threading.Event()
+        self._committed = -1  # the newest committed step the coordinator told us of
         self.records: list[WriteRecord] = []
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the last write's failure, cleared by a success
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-{shard_id}", daemon=True)
         self._thread.start()
 
     def submit(self, state: ShardState) -> None:
-        """Hand a snapshot over; waits while the previous one is still queued (backpressure)."""
-        if self.error is not None:
-            raise CheckpointError(f"shard {self.shard_id}: the last checkpoint write failed: {self.error}")
-        self._queue.put(state)
+        """Hand a snapshot over; waits while the previous one is still queued (backpressure).
+
+        A failed write never fails training: it is logged (and kept in ``error``) and that step
+        is simply never committed, so the job keeps its last committed checkpoint.
+        """
+        while not self._closed.is_set():
+            try:
+                self._queue.put(state, timeout=1.0)
+                return
+            except queue.Full:
+                continue
+        log.warning("shard %d: writer closed; checkpoint of step %d not written", self.shard_id, state.version)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the queued writes (a clean stop keeps its last checkpoint), then stop."""
-        self._queue.put(None)
+        self._closed.set()
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.error("shard %d: checkpoint writer still busy after %.0fs; leaving it", self.shard_id, timeout_s)
+            return
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
@@ -155,22 +172,27 @@ class CheckpointWriter:
             started = time.perf_counter()
             try:
                 save_state(self.directory, state)
-                self._prune(state.version)
-            except BaseException as exc:  # noqa: BLE001 - surfaced on the next submit and in the log
+            except BaseException as exc:  # noqa: BLE001 - logged; that step is never committed
                 log.exception("shard %d: writing checkpoint of step %d failed", self.shard_id, state.version)
                 self.error = exc
                 continue
+            self.error = None
             write_s = time.perf_counter() - started
             self.records.append(WriteRecord(state.version, write_s))
             log.info("shard %d: checkpoint of step %d written in %.3fs", self.shard_id, state.version, write_s)
             try:
-                self._on_written(state.version)
-            except Exception as exc:  # noqa: BLE001 - the coordinator may be restarting; it is told again
+                committed = self._on_written(state.version)
+                if committed is not None:
+                    self._committed = max(self._committed, committed)
+            except Exception as exc:  # noqa: BLE001 - the coordinator may be restarting; a later step commits
                 log.warning("shard %d: could not confirm checkpoint %d: %s", self.shard_id, state.version, exc)
+            self._prune(state.version)
 
     def _prune(self, written: int) -> None:
-        """Keep the ``keep + 1`` newest files up to ``written``; files past it are from a discarded run."""
+        """Drop files past ``written`` (a discarded run's) and, below the newest committed step, all
+        but the ``keep - 1`` newest: the last ``keep`` committed checkpoints always stay on disk."""
         steps = written_steps(self.directory, self.shard_id)
-        stale = [s for s in steps if s > written] + [s for s in steps if s <= written][: -(self.keep + 1)]
+        below = [s for s in steps if s < self._committed]
+        stale = [s for s in steps if s > written] + below[: max(0, len(below) - (self.keep - 1))]
         for step in stale:
             shard_file(self.directory, self.shard_id, step).unlink(missing_ok=True)

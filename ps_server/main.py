@@ -24,7 +24,7 @@ from pstrain.ps_server.optimizer import update_threads
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import CheckpointPolicy, ParameterShard
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import MemberProcess, add_member_flags
+from pstrain.runtime.member import EXIT_JOB_FAILED, MemberProcess, add_member_flags
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -53,20 +53,30 @@ def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_
     )
     reply = member.join(lambda: stub.RegisterParameterServer(request, timeout=CONTROL_TIMEOUT_S))
     job = reply.job
+    # Heartbeat from registration on: loading a large checkpoint must not look like a dead shard.
+    member.start_heartbeat(
+        shard_id, job.heartbeat_s, stop_when_job_ends=True, coordinator_timeout_s=job.coordinator_timeout_s
+    )
     policy = None
     if job.checkpoint_dir and job.checkpoint_every_steps > 0:
         writer = CheckpointWriter(
             Path(job.checkpoint_dir),
             shard_id,
             job.checkpoint_keep,
-            lambda step: stub.ReportCheckpoint(
-                pb.CheckpointWritten(shard_id=shard_id, step=step), timeout=CONTROL_TIMEOUT_S
+            lambda step: (
+                stub.ReportCheckpoint(
+                    pb.CheckpointWritten(shard_id=shard_id, step=step), timeout=CONTROL_TIMEOUT_S
+                ).committed_step
             ),
         )
         member.closing(writer.close)  # closed after the shard: queued snapshots are still written
         policy = CheckpointPolicy(job.checkpoint_every_steps, job.steps, writer.submit)
     if reply.resume_step > 0:
-        state = load_state(Path(job.checkpoint_dir), shard_id, reply.start, reply.end, reply.resume_step)
+        try:
+            state = load_state(Path(job.checkpoint_dir), shard_id, reply.start, reply.end, reply.resume_step)
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            return EXIT_JOB_FAILED  # a restart would find the same files
         shard = ParameterShard.restore(state, job.optimizer, job.lr_schedule, job.workers, policy)
         log.info("shard %d resumes from its checkpoint of step %d", shard_id, reply.resume_step)
     else:
@@ -78,9 +88,6 @@ def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_
     servicer.attach(shard, job.chunk_bytes)
     member.ready(lambda: stub.ParameterServerReady(pb.PsReadyRequest(shard_id=shard_id), timeout=CONTROL_TIMEOUT_S))
     log.info("shard %d serving [%d, %d) of %d parameters", shard_id, reply.start, reply.end, job.total_params)
-    member.start_heartbeat(
-        shard_id, job.heartbeat_s, stop_when_job_ends=True, coordinator_timeout_s=job.coordinator_timeout_s
-    )
     member.stop.wait()
     return member.abort_exit_code if member.aborted.is_set() else 0
 
@@ -92,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         "ps",
         [(add_parameter_server, servicer)],  # issue 12: byte-level Push/Pull serializers,
         ["ParameterServer"],
-        (CheckpointError,),
         aio=True,  # issue 12: an asyncio server, so waiting pulls hold no threads
     )
     return member.run(lambda member: serve_shard(member, servicer, args.shard_id))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos.codec import CodecError, EncodedReplies, PushPart, TensorAssembler, decode_push_request
 from pstrain.ps_server import metrics
 from pstrain.ps_server.errors import InvalidArgument, NotReady, PsError, StepConflict, UnknownWorker, WaitTimeout
-from pstrain.ps_server.shard import ParameterShard
+from pstrain.ps_server.shard import ParameterShard, PushResult
 from pstrain.runtime.transport import abort_on_errors, full_service_name
 
 translate = abort_on_errors(
@@ -128,29 +129,30 @@ class _Versions:
         while not self._loop.is_closed():
             try:
                 with self._shard.read(want, FOLLOW_POLL_S) as (version, published):
-                    pass
+                    # Encoded while the read lease keeps the shard from reusing this buffer.
+                    encoded = EncodedReplies(version, published, self._chunk_bytes).encode_all()
             except WaitTimeout:
                 continue
             except PsError as exc:  # the shard closed: NotReady
-                self._post(None, None, str(exc))
+                self._post(None, str(exc))
                 return
-            if not self._post(version, published, None):
+            if not self._post(encoded, None):
                 return
             want = version + 1
 
-    def _post(self, version: int | None, published: torch.Tensor | None, closed: str | None) -> bool:
+    def _post(self, encoded: EncodedReplies | None, closed: str | None) -> bool:
         try:
-            self._loop.call_soon_threadsafe(self._publish, version, published, closed)
+            self._loop.call_soon_threadsafe(self._publish, encoded, closed)
         except RuntimeError:  # the loop closed: the server has stopped
             return False
         return True
 
-    def _publish(self, version: int | None, published: torch.Tensor | None, closed: str | None) -> None:
+    def _publish(self, encoded: EncodedReplies | None, closed: str | None) -> None:
         if closed is not None:
             self._closed = closed
         else:
-            assert version is not None and published is not None
-            self._latest = EncodedReplies(version, published, self._chunk_bytes)
+            assert encoded is not None
+            self._latest = encoded
         self._changed.set()  # wakes the pulls waiting now; later ones wait on a fresh event
         self._changed = asyncio.Event()
 
@@ -211,15 +213,22 @@ class ParameterServerServicer:
         assert self._pool is not None
         async with self._staging_slots:
             buf = self._pool.acquire()
+            pushing: asyncio.Future[PushResult] | None = None
             try:
                 assembler = TensorAssembler(torch.float32, h.numel, out=buf)
                 async for part in request_iterator:
                     if part.chunk is None:
                         raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
                     assembler.add(part.chunk)
-                result = await asyncio.to_thread(shard.push, h.worker_id, h.step, assembler.result(), h.device_count)
+                call = functools.partial(shard.push, h.worker_id, h.step, assembler.result(), h.device_count)
+                pushing = asyncio.get_running_loop().run_in_executor(None, call)
+                # Shielded: a cancelled RPC must not hand the buffer to another push while the shard reads it.
+                result = await asyncio.shield(pushing)
             finally:
-                self._pool.release(buf)
+                if pushing is None or pushing.done():
+                    self._pool.release(buf)
+                else:
+                    pushing.add_done_callback(lambda _: self._pool.release(buf))
         metrics.BYTES_PUSHED.inc(h.numel * 4)
         metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
         if result.completed:

@@ -42,6 +42,7 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.checkpoint import ShardState
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.optimizer import build_optimizer, step_on_mean
+from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.schedule import learning_rate
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class ParameterShard:
         if grad is not None:
             if grad.dtype != torch.float32 or grad.dim() != 1:
                 raise InvalidArgument(f"gradient must be a 1-D float32 tensor, got {grad.dtype} {tuple(grad.shape)}")
-            if not duplicate and not torch.isfinite(grad.sum()):
+            if not duplicate and not all_finite(grad):
                 raise InvalidArgument(
                     f"worker {worker_id}'s gradient for step {step} has NaN or Inf values; a worker skips such a "
                     f"step (fault.on_nonfinite) instead of pushing it"
@@ -374,7 +375,8 @@ class ParameterShard:
                 if isinstance(t, torch.Tensor)
             )
             buffers = 4 if self._spare is not None else 3  # parameters, published (+ spare), accumulator
-            held = self._param.numel() * buffers * 4 + state_bytes
+            early = sum(g.numel() for g in self._held.values()) * 4  # contributions waiting for a lower worker
+            held = self._param.numel() * buffers * 4 + state_bytes + early
             return ShardSnapshot(
                 self.shard_id,
                 self.start,

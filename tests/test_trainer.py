@@ -29,7 +29,7 @@ from pstrain.runtime.ps_api import (
 from pstrain.runtime.shard_map import shard_ranges
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.replicas import ReplicaSet
-from pstrain.worker.trainer import Trainer, all_finite
+from pstrain.worker.trainer import Trainer, step_is_finite
 from tests.helpers import classification_set, nan_set, odd_mlp
 
 STEPS = 4
@@ -329,15 +329,17 @@ def skipped_steps_metric() -> float:
     return REGISTRY.get_sample_value("pstrain_worker_skipped_steps_total") or 0.0
 
 
-def test_all_finite_checks_the_losses_and_the_summed_gradient() -> None:
+def test_step_is_finite_checks_the_losses_and_the_summed_gradient() -> None:
     grads = torch.ones(10)
-    assert all_finite([0.5, 1.5], grads)
-    assert not all_finite([0.5, math.nan], grads)
-    assert not all_finite([0.5, math.inf], grads)
+    assert step_is_finite([0.5, 1.5], grads)
+    assert not step_is_finite([0.5, math.nan], grads)
+    assert not step_is_finite([0.5, math.inf], grads)
     for bad in (math.nan, math.inf, -math.inf):
         broken = grads.clone()
         broken[7] = bad
-        assert not all_finite([0.5], broken)
+        assert not step_is_finite([0.5], broken)
+    overflowing_sum = torch.cat([torch.full((2000,), 3e35), torch.full((2000,), -3e35)])
+    assert step_is_finite([0.5], overflowing_sum), "finite values whose partial sums overflow are finite"
 
 
 def test_a_nan_loss_under_skip_skips_the_step_and_the_next_one_trains(make_trainer: MakeTrainer) -> None:

@@ -159,7 +159,7 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         job.pull_timeout_s,
         security=member.served.security,
     )
-    member.closing(ps.close)
+    member.closing(lambda: ps.close(cancel=True))  # a pull left waiting on a failed step must not hold the exit
     trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, member.stop)
     servicer.progress = trainer.progress
     member.ready()

@@ -31,6 +31,7 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import LossFn
+from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.ps_api import Cancelled, ParameterServerClient, PsClientError, RetryPolicy, with_retries
 from pstrain.worker import metrics
 from pstrain.worker.data_feed import DataFeed
@@ -43,14 +44,9 @@ T = TypeVar("T")
 DEFAULT_RETRY = RetryPolicy()  # about 1.4 s of backoff over 3 repeats: a shard restarting
 
 
-def all_finite(losses: list[float], grads: torch.Tensor) -> bool:
-    """Whether the step's losses and summed gradient hold no NaN/Inf.
-
-    One pass and no gradient-sized allocation: any NaN or Inf makes the sum NaN or Inf. Finite
-    values whose sum overflows float32 count as non-finite too, as they do on the PS shard,
-    which applies the same test and refuses such a push.
-    """
-    return all(math.isfinite(loss) for loss in losses) and bool(torch.isfinite(grads.sum()))
+def step_is_finite(losses: list[float], grads: torch.Tensor) -> bool:
+    """Whether the step's losses and summed gradient hold no NaN/Inf, by the shard's own test."""
+    return all(math.isfinite(loss) for loss in losses) and all_finite(grads)
 
 
 class StepReporter(Protocol):
@@ -137,7 +133,7 @@ class Trainer:
         losses = self.replicas.forward_backward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         grads = self.replicas.sum_gradients()
         computed = time.perf_counter()
-        finite = all_finite(losses, grads)
+        finite = step_is_finite(losses, grads)
         if not finite and not self.skip_nonfinite:
             return self._stop_nonfinite(step, losses, int(inputs.shape[0]), computed - started)
         if finite:
