@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -85,6 +86,18 @@ def victim(marker: str, rng: random.Random) -> tuple[int, str] | None:
     return rng.choice(found) if found else None
 
 
+def rejoins(out: Path) -> int:
+    """Replacements that took a dead worker's slot back (the coordinator logs each one)."""
+    try:
+        return (out / "logs" / "coordinator.log").read_text(errors="replace").count("resumes its slot at step")
+    except FileNotFoundError:
+        return 0
+
+
+def _median_max(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} s / {max(values):.1f} s" if values else "-"
+
+
 def checkpoint_costs(logs: Path) -> tuple[list[float], list[float]]:
     held = [float(m) for m in re.findall(r"held training for ([0-9.]+)s", _read_logs(logs))]
     written = [float(m) for m in re.findall(r"checkpoint of step \d+ written in ([0-9.]+)s", _read_logs(logs))]
@@ -124,6 +137,7 @@ def main() -> int:
         started = time.monotonic()
         proc = launch(job, out, marker)
         kills: list[dict[str, object]] = []
+        stderr = ""
         deadline = time.monotonic() + args.timeout_s
         try:
             while len(kills) < args.kills and proc.poll() is None and time.monotonic() < deadline:
@@ -139,10 +153,15 @@ def main() -> int:
                 before = lines(out)
                 port_file = out / "coordinator.port"
                 old_port = port_file.stat().st_mtime_ns
+                old_rejoins = rejoins(out)
                 killed_at = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
-                # The restarted coordinator truncates metrics.jsonl to its checkpoint, then writes a new port file.
+                # A worker is replaced in place: wait for its replacement to rejoin. Otherwise the restarted
+                # coordinator (alone after a coordinator kill, with the cluster after a PS shard kill) writes
+                # a new port file; after a rollback it has first truncated metrics.jsonl to its checkpoint.
                 while time.monotonic() < deadline and proc.poll() is None:
+                    if module == "pstrain.worker" and rejoins(out) > old_rejoins:
+                        break
                     try:
                         if port_file.stat().st_mtime_ns != old_port:
                             break
@@ -168,13 +187,18 @@ def main() -> int:
                 os.kill(pid, signal.SIGKILL)
         chaos_s = time.monotonic() - started
         finished = proc.returncode == 0
+        if not finished:  # keep what explains it: the launcher's stderr and every process's log
+            kept = Path(tempfile.mkdtemp(prefix="pstrain-chaos-lost-"))
+            shutil.copytree(out / "logs", kept / "logs", dirs_exist_ok=True)
+            (kept / "launcher.stderr").write_text(stderr)
+            print(f"job lost (exit {proc.returncode}); logs kept in {kept}:\n{stderr[-3000:]}", file=sys.stderr)
         same = False
         if finished:
             a = torch.load(tmp / "ref" / "model.pt", weights_only=True)
             b = torch.load(out / "model.pt", weights_only=True)
             same = all(torch.equal(a[k], b[k]) for k in a)
         held, written = checkpoint_costs(out / "logs")
-        steps_redone = sum(int(k["at_step"]) - int(k["resumed_from"]) for k in kills)  # type: ignore[call-overload]
+        steps_redone = sum(max(0, int(k["at_step"]) - int(k["resumed_from"])) for k in kills)  # type: ignore[call-overload]
         recoveries = [float(k["recovery_s"]) for k in kills]  # type: ignore[arg-type]
         model = __import__("tests.helpers", fromlist=["odd_mlp"]).odd_mlp(64, args.hidden, 10)
         params = sum(p.numel() for p in model.parameters())
@@ -191,6 +215,22 @@ def main() -> int:
         ("steps redone (trained again after a rollback)", str(steps_redone)),
         ("kill -> next completed step, median", f"{statistics.median(recoveries):.1f} s" if recoveries else "-"),
         ("kill -> next completed step, max", f"{max(recoveries):.1f} s" if recoveries else "-"),
+        (
+            "worker kill -> next step, median / max",
+            _median_max([r for k, r in zip(kills, recoveries, strict=True) if k["module"] == "pstrain.worker"]),
+        ),
+        (
+            "PS shard kill (rollback) -> next step, median / max",
+            _median_max([r for k, r in zip(kills, recoveries, strict=True) if k["module"] == "pstrain.ps_server"]),
+        ),
+        (
+            "coordinator kill (taken back from its journal) -> next step, median / max",
+            _median_max([r for k, r in zip(kills, recoveries, strict=True) if k["module"] == "pstrain.coordinator"]),
+        ),
+        (
+            "coordinator restarts alone / whole-cluster restarts (launcher)",
+            f"{stderr.count('restarting it alone to take the job back')} / {stderr.count('restarting the cluster')}",
+        ),
         ("wall time: fault-free / with kills", f"{fault_free_s:.0f} s / {chaos_s:.0f} s"),
         ("checkpoints written (all shards)", str(len(written))),
         ("training held per checkpoint, median / max", ms(held, 2)),
@@ -207,8 +247,12 @@ def main() -> int:
         f"`pstrain local` job: 2 workers x 2 CPU devices, 2 PS shards, MLP 64-{args.hidden}-10 "
         f"({params / 1e6:.2f}M parameters, Adam), {args.steps} steps, `checkpoint.every_steps: {args.every}`; "
         f"{len(kills)} kill -9s of a random process (worker, PS shard or coordinator) at random steps "
-        f"(seed {args.seed}). Recovery = the launcher restarts the whole cluster, which resumes from the newest "
-        f"committed checkpoint.\n\n| measure | value |\n|---|---|\n{table}\n\n"
+        f"(seed {args.seed}). Recovery: a dead worker is restarted alone and replaces itself in its slot while the "
+        f"step waits for it (S2.5: kill -> its replacement rejoined -> the next step completed); a dead "
+        f"coordinator is restarted alone and takes the job back from its journal while the PS shards and workers "
+        f"ride out the outage (no rollback); a dead PS shard restarts the whole cluster, which resumes from the "
+        f"newest committed checkpoint.\n\n"
+        f"| measure | value |\n|---|---|\n{table}\n\n"
         + "\n".join(
             f"- kill {i + 1}: {k['module']} at step {k['at_step']}, resumed from {k['resumed_from']}, "
             f"next step after {float(k['recovery_s']):.1f} s"  # type: ignore[arg-type]

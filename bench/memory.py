@@ -8,6 +8,13 @@ and with every layer swapped to host memory, and reports the overhead: on CUDA w
 present (side-stream copies overlapping compute), else on the CPU (where the "copy" is a
 host-to-host memcpy that cannot overlap, i.e. the worst case). Results go to
 ``bench/results/memory.md``.
+
+Issue 10 adds, per model and policy (keep / swap activations / whole-layer offload): the
+largest batch by the device alone, by the host alone (``--host-memory`` shared by
+``--devices-per-host`` devices) and both, the host memory needed at that batch and which limit
+binds; the step time with whole-layer offload; and a wide MLP whose parameters alone exceed
+``--big-device-memory``, planned from the measured 24 x 1024 profile scaled to its width
+(parameters grow with width squared, activations with width).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,10 +36,18 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pstrain.planner.memory_plan import MemoryBudget, max_batch, s15_max_batch  # noqa: E402
-from pstrain.planner.profiler import profile_model  # noqa: E402
+from pstrain.planner.memory_plan import (  # noqa: E402
+    MemoryBudget,
+    batch_limits,
+    max_batch,
+    plan_for_batch,
+    s15_max_batch,
+)
+from pstrain.planner.profiler import ModelProfile, profile_model  # noqa: E402
+from pstrain.runtime.layout import ParamLayout  # noqa: E402
 from pstrain.runtime.units import parse_bytes  # noqa: E402
 from pstrain.worker.offload import SwapToHost, apply_layer_policies  # noqa: E402
+from pstrain.worker.param_offload import ParamOffload, offload_layers  # noqa: E402
 
 CE = nn.functional.cross_entropy
 
@@ -64,7 +80,10 @@ def time_steps(
     offload: SwapToHost | None,
     steps: int,
     device: torch.device,
+    layered: ParamOffload | None = None,
 ) -> float:
+    """Median step time; ``layered`` (whole-layer offload) sums into the host buffer and ends each step as
+    ``ReplicaSet.forward_backward`` does (``finish_step``), and its gradients are not zeroed (the sum overwrites)."""
     x, y = batch[0].to(device), batch[1].to(device)
     times = []
     for i in range(steps + 1):
@@ -73,8 +92,11 @@ def time_steps(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        model.zero_grad(set_to_none=True)
+        if layered is None:
+            model.zero_grad(set_to_none=True)
         CE(model(x), y).backward()
+        if layered is not None:
+            layered.finish_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:
@@ -105,6 +127,10 @@ def bench_model(
     offload = SwapToHost(prefetch=budget.prefetch).ignore_parameters(swapped)
     apply_layer_policies(swapped, {la.name: "swap" for la in profile.layers if la.saved_bytes_per_sample > 0}, offload)
     swap_s = time_steps(swapped, sample(timing_batch), offload, steps, device)
+    torch.manual_seed(0)
+    layered = build()
+    _, _, hooks = offload_layers(layered, device, ParamLayout.of(layered), device.type == "cuda", budget.prefetch)
+    offload_s = time_steps(layered, sample(timing_batch), None, steps, device, hooks)
     row = dict(
         model=name,
         layers=len(profile.layers),
@@ -117,6 +143,10 @@ def bench_model(
         swap_s=swap_s,
         overhead=swap_s / kept_s - 1,
         swapped_mb=offload.stats.swapped_out_bytes / 1e6,
+        offload_s=offload_s,
+        offload_overhead=offload_s / kept_s - 1,
+        limits=policy_limits(profile, budget),
+        profile=profile,
     )
     print(
         f"{name:<28} no swap {no_swap:>8}  with plan {with_plan:>8}  ({row['ratio']:.1f}x)  S1.5 {s15:>9}  | "
@@ -127,15 +157,60 @@ def bench_model(
     return row
 
 
+POLICIES = (("keep", False, False), ("swap activations", True, False), ("whole-layer offload", True, True))
+
+
+def policy_limits(profile: ModelProfile, budget: MemoryBudget) -> list[dict]:
+    """Per policy: largest batch by device, by host, both; host memory needed at it; which binds."""
+    rows = []
+    for policy, allow_swap, offload in POLICIES:
+        b = replace(budget, offload_params=offload)
+        lim = batch_limits(profile, b, allow_swap, upper=1 << 24)
+        host = plan_for_batch(profile, max(lim.both, 1), b, allow_swap).host_bytes
+        rows.append(
+            dict(
+                policy=policy, device=lim.device, host=lim.host, both=lim.both, host_gib=host / 2**30, binds=lim.binding
+            )
+        )
+    return rows
+
+
+def scaled_mlp(profile: ModelProfile, factor: int) -> ModelProfile:
+    """The 24 x 1024 MLP's profile at width 1024 * factor: parameters x factor^2, activations and times x factor."""
+    layers = tuple(
+        replace(
+            la,
+            param_bytes=la.param_bytes * factor * factor,
+            saved_bytes_per_sample=la.saved_bytes_per_sample * factor,
+            saved_bytes_fixed=la.saved_bytes_fixed * factor,
+            output_bytes_per_sample=la.output_bytes_per_sample * factor,
+            forward_s=la.forward_s * factor * factor,
+            backward_s=la.backward_s * factor * factor,
+        )
+        for la in profile.layers
+    )
+    return replace(profile, layers=layers)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device-memory", default="16GiB", help="device memory to plan for")
     parser.add_argument("--bandwidth", default="12GB/s", help="device<->host bandwidth for the plan")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--host-memory", default="64GiB", help="host memory shared by the host's devices")
+    parser.add_argument("--devices-per-host", type=int, default=4)
+    parser.add_argument("--pinned-limit", default="4GiB", help="pinned host memory per device")
+    parser.add_argument("--big-device-memory", default="2GiB", help="device memory for the wide-MLP row")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory.md"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    budget = MemoryBudget(parse_bytes(args.device_memory), float(parse_bytes(args.bandwidth)))
+    budget = MemoryBudget(
+        parse_bytes(args.device_memory),
+        float(parse_bytes(args.bandwidth)),
+        host_bytes=parse_bytes(args.host_memory),
+        devices_per_host=args.devices_per_host,
+        pinned_limit_bytes=parse_bytes(args.pinned_limit),
+    )
     rows = [
         bench_model(
             "deep MLP (24 x 1024)",
@@ -159,9 +234,15 @@ def main() -> int:
         ),
     ]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()
+    big_budget = replace(budget, device_bytes=parse_bytes(args.big_device_memory))
+    big = scaled_mlp(rows[0]["profile"], 6)
+    big_rows = policy_limits(big, big_budget)
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     lines = [
         "# Memory planner (bench/memory.py)",
+        "",
+        f"Load average at the start of the write-up: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine).",
         "",
         f"Run {when}; profiles on the CPU, plan for {args.device_memory} of device memory at {args.bandwidth} "
         f"device<->host, margin {budget.margin:.0%}, prefetch {budget.prefetch}; step times on {where}, "
@@ -184,6 +265,44 @@ def main() -> int:
             f"| {r['model']} | {r['batch']} | {r['kept_s'] * 1e3:.1f} ms | {r['swap_s'] * 1e3:.1f} ms | "
             f"{r['overhead']:+.0%} | {r['swapped_mb']:.0f} MB |"
             for r in rows
+        ],
+        "",
+    ]
+    lines += [
+        f"## Which limit binds: {args.device_memory} device, {args.host_memory} host shared by "
+        f"{args.devices_per_host} devices, pinned {args.pinned_limit}/device",
+        "",
+        "Host memory counts every device's swapped activations, its offloaded parameters and gradients (or its "
+        "pinned gradient staging), and the worker's own sum buffers. The largest batch is the smaller of the two.",
+        "",
+        "| model | policy | device-fit batch | host-fit batch | largest batch | host memory at it | binds |",
+        "|---|---|---:|---:|---:|---:|---|",
+        *[
+            f"| {r['model']} | {lim['policy']} | {lim['device']} | {lim['host']} | {lim['both']} | "
+            f"{lim['host_gib']:.1f} GiB | {lim['binds']} |"
+            for r in rows
+            for lim in r["limits"]
+        ],
+        "",
+        "| model | batch | step, all kept | step, whole-layer offload | offload overhead |",
+        "|---|---:|---:|---:|---:|",
+        *[
+            f"| {r['model']} | {r['batch']} | {r['kept_s'] * 1e3:.1f} ms | {r['offload_s'] * 1e3:.1f} ms | "
+            f"{r['offload_overhead']:+.0%} |"
+            for r in rows
+        ],
+        "",
+        f"## A model larger than the device: 24 x 6144 MLP ({big.param_bytes / 2**30:.1f} GiB of parameters) on "
+        f"{args.big_device_memory} devices",
+        "",
+        "Planned from the measured 24 x 1024 profile scaled to width 6144 (parameters x36, activations x6).",
+        "",
+        "| policy | device-fit batch | host-fit batch | largest batch | host memory at it | binds |",
+        "|---|---:|---:|---:|---:|---|",
+        *[
+            f"| {lim['policy']} | {lim['device']} | {lim['host']} | {lim['both']} | {lim['host_gib']:.1f} GiB | "
+            f"{lim['binds']} |"
+            for lim in big_rows
         ],
         "",
     ]

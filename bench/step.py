@@ -16,8 +16,10 @@ For each case (8 x Linear(1024) MLP at 64 and 256 samples per process, a small t
   The breakdown comes from the members' Prometheus endpoints (their addresses from
   ``GetJobStatus``), scraped when the last warm-up step and the last measured step complete:
   histogram sum / count deltas give the mean over exactly the measured steps of the worker's
-  compute (batch + forward/backward + host sum), push and pull (what the worker waits for
-  after its compute: the exposed part) and the shard's optimizer update.
+  compute (batch + forward/backward, with the per-bucket pushes running beside backward), exposed
+  push (the wait for acknowledgements after backward), exposed pull (forward's waits for buckets
+  of new parameters) and the shard's optimizer update (summed over its pieces).
+  ``--bucket-bytes`` sets pstrain's ``transport.bucket_bytes`` (S4 overlap; 0: one bucket).
 
 Both systems: same factories (below, imported by path by pstrain's processes), same seeded
 initial weights, SGD lr 0.01 momentum 0.9 with gradients averaged over the 2 processes
@@ -248,8 +250,13 @@ def run_ddp(case: Case, steps: Steps, work: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- pstrain
 
 
-def _job(case: Case, steps: int, ps_shards: int) -> dict[str, Any]:
+def _job(
+    case: Case, steps: int, ps_shards: int, bucket_bytes: int | None = None, push_dtype: str | None = None
+) -> dict[str, Any]:
+    settings: dict[str, Any] = {"bucket_bytes": bucket_bytes, "push_dtype": push_dtype}
+    transport = {k: v for k, v in settings.items() if v is not None}
     return {
+        **({"transport": transport} if transport else {}),
         "model": {"factory": case.model, "kwargs": case.model_kwargs},
         "data": {"factory": case.data, "kwargs": case.data_kwargs, "shard_size": 512, "shuffle": True},
         "loss": "cross_entropy",
@@ -286,7 +293,21 @@ def _mean_ms(before: list[dict[str, float]], after: list[dict[str, float]], hist
     return 1e3 * total / count if count else float("nan")
 
 
-def run_pstrain(case: Case, steps: Steps, ps_shards: int, work: Path) -> dict[str, Any]:
+def _total_ms(before: list[dict[str, float]], after: list[dict[str, float]], histogram: str) -> float:
+    """Sum of ``histogram`` over the observations between two scrapes, summed over the members."""
+    return 1e3 * sum(
+        a.get(f"{histogram}_sum", 0.0) - b.get(f"{histogram}_sum", 0.0) for b, a in zip(before, after, strict=True)
+    )
+
+
+def run_pstrain(
+    case: Case,
+    steps: Steps,
+    ps_shards: int,
+    work: Path,
+    bucket_bytes: int | None = None,
+    push_dtype: str | None = None,
+) -> dict[str, Any]:
     """Run a real local cluster; call in a process that has not used gRPC (``LocalCluster`` forks)."""
     import yaml
 
@@ -297,7 +318,9 @@ def run_pstrain(case: Case, steps: Steps, ps_shards: int, work: Path) -> dict[st
     from pstrain.runtime.transport import open_channel
 
     job_path = work / "job.yaml"
-    job_path.write_text(yaml.safe_dump(_job(case, steps.warm + steps.measured + TAIL_STEPS, ps_shards)))
+    job_path.write_text(
+        yaml.safe_dump(_job(case, steps.warm + steps.measured + TAIL_STEPS, ps_shards, bucket_bytes, push_dtype))
+    )
     out = work / "out"
     cluster = LocalCluster(job_path, load_config(job_path), out, grace_s=5.0)
     marks = {steps.warm: "before", steps.warm + steps.measured: "after"}
@@ -349,7 +372,9 @@ def run_pstrain(case: Case, steps: Steps, ps_shards: int, work: Path) -> dict[st
         "compute_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_compute_seconds"),
         "push_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_push_seconds"),
         "pull_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_pull_seconds"),
-        "update_ms": _mean_ms(before["ps"], after["ps"], "pstrain_ps_update_seconds"),
+        # S4: a shard updates each piece on its own; the update of a step is the sum over its pieces
+        "update_ms": _total_ms(before["ps"], after["ps"], "pstrain_ps_update_seconds")
+        / (steps.measured * len(after["ps"])),
         "loss_first": records[0]["loss"],
         "loss_last": records[-1]["loss"],
     }
@@ -359,12 +384,19 @@ def _pstrain_child(args: argparse.Namespace) -> int:
     """``--pstrain-case``: one pstrain measurement in a fresh process, so no fork ever follows gRPC."""
     case = Case(**json.loads(args.pstrain_case))
     steps = Steps(**json.loads(args.steps_json))
-    figures = run_pstrain(case, steps, args.ps_shards, Path(args.work))
+    figures = run_pstrain(case, steps, args.ps_shards, Path(args.work), args.bucket_bytes, args.push_dtype)
     Path(args.work, "pstrain.json").write_text(json.dumps(figures))
     return 0
 
 
-def run_pstrain_isolated(case: Case, steps: Steps, ps_shards: int, work: Path) -> dict[str, Any]:
+def run_pstrain_isolated(
+    case: Case,
+    steps: Steps,
+    ps_shards: int,
+    work: Path,
+    bucket_bytes: int | None = None,
+    push_dtype: str | None = None,
+) -> dict[str, Any]:
     env = {
         **os.environ,
         **THREADS_ENV,
@@ -372,6 +404,10 @@ def run_pstrain_isolated(case: Case, steps: Steps, ps_shards: int, work: Path) -
     }
     cmd = [sys.executable, str(Path(__file__).resolve()), "--pstrain-case", json.dumps(asdict(case))]
     cmd += ["--steps-json", json.dumps(asdict(steps)), "--ps-shards", str(ps_shards), "--work", str(work)]
+    if bucket_bytes is not None:
+        cmd += ["--bucket-bytes", str(bucket_bytes)]
+    if push_dtype is not None:
+        cmd += ["--push-dtype", push_dtype]
     log_path = work / "driver.log"
     with open(log_path, "wb") as log_file:
         try:
@@ -524,12 +560,19 @@ pstrain / DDP above 1 means pstrain is slower; issue 12's target is at most 1.0x
   communication.
 - **pstrain step**: median of the coordinator's `step_s` (`metrics.jsonl`, the interval between two step
   completions) over the measured steps.
+- pstrain overlaps communication with compute (S4): gradients leave in buckets of `transport.bucket_bytes`
+  ({"the config default, 4 MiB" if args.bucket_bytes is None else f"{args.bucket_bytes} bytes"}) while backward
+  runs, each shard updates each piece as soon as both workers pushed it, and the next forward waits per bucket.
+- pstrain pushes gradients as `transport.push_dtype` = {args.push_dtype or "float32"} (bfloat16 halves the push
+  bytes; the shards keep float32 weights and sums).
 - **compute / exposed push / exposed pull**: the workers' `pstrain_worker_{{compute,push,pull}}_seconds`
   histograms, scraped from their metrics endpoints when the last warm-up and the last measured step
-  complete; mean over the measured steps of both workers. Compute: next batch + forward/backward + host
-  sum. Push and pull: what the worker waits for after its compute (the exposed part); the pull includes
-  waiting for the slower worker and the shard's update. **update**: the shards'
-  `pstrain_ps_update_seconds`, mean per shard and step (the shards update their ranges in parallel).
+  complete; mean over the measured steps of both workers. Compute: next batch + forward/backward (with the
+  per-bucket host sums and pushes running beside it), without forward's waits for parameters. Exposed push:
+  the wait for the pushes' acknowledgements after backward. Exposed pull: the time forward waited for
+  buckets of new parameters (it includes waiting for the slower worker and the shards' updates).
+  **update**: the shards' `pstrain_ps_update_seconds` summed over a shard's pieces, mean per shard and step
+  (the shards update their ranges in parallel, and pieces while backward still runs).
 
 Median step per round:
 
@@ -553,6 +596,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--measured", type=int, help="measured steps per run (default 20, --quick 5)")
     p.add_argument("--rounds", type=int, help="DDP + pstrain runs per case, order alternating (default 2, --quick 1)")
     p.add_argument("--ps-shards", type=int, default=2, help="pstrain PS shard processes (default 2)")
+    p.add_argument(
+        "--bucket-bytes", type=int, help="pstrain transport.bucket_bytes (default: the config's, 4 MiB; 0: one bucket)"
+    )
+    p.add_argument(
+        "--push-dtype", choices=("float32", "bfloat16"), help="pstrain transport.push_dtype (default: float32)"
+    )
     p.add_argument("--cases", help="comma-separated case numbers to run (1-based; default all)")
     p.add_argument("--no-write", action="store_true", help=f"print only, do not write {RESULTS.relative_to(ROOT)}")
     p.add_argument("--keep", action="store_true", help="keep the run directories (logs, metrics.jsonl)")
@@ -593,7 +642,10 @@ def main(argv: list[str] | None = None) -> int:
                     if system == "DDP":
                         row.ddp_runs.append(run_ddp(case, steps, work))
                     else:
-                        row.pstrain_runs.append(run_pstrain_isolated(case, steps, args.ps_shards, work))
+                        figures = run_pstrain_isolated(
+                            case, steps, args.ps_shards, work, args.bucket_bytes, args.push_dtype
+                        )
+                        row.pstrain_runs.append(figures)
                 row.loads.append(f"DDP {load['DDP']:.2f} / pstrain {load['pstrain']:.2f}")
             print(
                 f"    DDP step {row.ddp_step_ms:.1f} ms (compute {row.ddp_compute_ms:.1f}); "

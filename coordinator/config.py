@@ -21,6 +21,7 @@ import yaml
 from pstrain.coordinator.errors import ConfigError
 from pstrain.runtime.factories import BUILTIN_LOSSES
 from pstrain.runtime.optimizers import BadOption, OptimizerName, optimizer_entry
+from pstrain.runtime.sparse_rows import Averaging, TableInit, TableOptimizer, TableSpec
 from pstrain.runtime.units import parse_bytes
 
 LrScaling = Literal["linear", "sqrt", "none", "auto"]
@@ -122,6 +123,11 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    trust_coefficient: float = 0.001
+    """lars: eta in the trust ratio eta ||w|| / (||g|| + weight_decay ||w||) (You et al. 2017)."""
+    exclude_1d: bool = True
+    """lars, lamb: 1-D tensors (biases, normalisation scales) take a plain momentum-SGD / Adam step, with no
+    trust ratio and no weight decay, as LAMB's reference implementation and the LARS follow-ups do."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "optimizer")
@@ -159,6 +165,9 @@ class BatchConfig:
     """linear: lr x devices (S1.6); sqrt: lr x sqrt(devices); none; auto: sqrt for Adam-type, else linear."""
     warmup_steps: int = 0
     """Linear warmup of the scaled learning rate over this many steps."""
+    linear_lr_max_global: int = 8192
+    """Global batch past which linear LR scaling is not trusted (Goyal et al.: 8k for ResNet-50 with
+    warmup); above it the plan warns and proposes a layer-wise optimizer (lars, lamb)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.per_device, str):
@@ -172,6 +181,7 @@ class BatchConfig:
         _check_choices(self, "batch")
         _require(self.warmup_steps >= 0, "batch.warmup_steps", f"must be non-negative, got {self.warmup_steps}")
         _require(self.warmup_steps <= MAX_STEPS, "batch.warmup_steps", f"must be at most {MAX_STEPS}")
+        _bounded(self.linear_lr_max_global, "batch.linear_lr_max_global", 1, MAX_BATCH * MAX_WORKERS)
 
 
 @dataclass(frozen=True)
@@ -223,6 +233,10 @@ class ClusterConfig:
         return list(d) if isinstance(d, list) else []
 
 
+PUSH_DTYPES = ("float32", "bfloat16")
+SHARED_MEMORY = ("auto", "off")
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     chunk_bytes: int = 512 * 1024
@@ -233,10 +247,29 @@ class TransportConfig:
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     """A member silent this long is declared failed."""
+    bucket_bytes: int = 4 * 1024 * 1024
+    """S4: gradients are pushed in buckets of about this many bytes (whole parameters, backward order) while
+    backward runs, and pulled back per bucket before the next forward needs them. 0: one bucket (push after
+    backward; a step with a non-finite gradient is then never partly applied)."""
+    push_dtype: str = "float32"
+    """Issue 12: the dtype gradients are pushed in. ``bfloat16`` halves the push bytes; the shards keep float32
+    parameters and optimizer state and sum the pushes in float32 (each worker's sum is rounded once)."""
+    shared_memory: str = "auto"
+    """Issue 12: ``auto`` moves tensors between a worker and the PS shards on its own host through shared memory
+    (/dev/shm; gRPC carries headers only) and streams to the rest; ``off`` always streams."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "transport")
+        _require(self.push_dtype in PUSH_DTYPES, "transport.push_dtype", f"must be one of {', '.join(PUSH_DTYPES)}")
+        _require(
+            self.shared_memory in SHARED_MEMORY, "transport.shared_memory", f"must be one of {', '.join(SHARED_MEMORY)}"
+        )
         _require(4096 <= self.chunk_bytes <= 64 * 1024 * 1024, "transport.chunk_bytes", "must be in [4 KiB, 64 MiB]")
+        _require(
+            self.bucket_bytes == 0 or 4096 <= self.bucket_bytes <= 1 << 30,
+            "transport.bucket_bytes",
+            "must be 0 (one bucket) or in [4 KiB, 1 GiB]",
+        )
         for key in ("push_timeout_s", "pull_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
             _require(getattr(self, key) > 0, f"transport.{key}", "must be positive")
             _require(getattr(self, key) <= MAX_TIMEOUT_S, f"transport.{key}", f"must be at most {MAX_TIMEOUT_S:.0f}")
@@ -275,6 +308,12 @@ class MemoryConfig:
     """Iterative mode: accept a limit once the probe's peak uses at most this fraction of it."""
     max_probe_rounds: int = 4
     """Shrink-and-probe-again rounds before the job fails."""
+    offload_params: bool = False
+    """S1.4 in full: each layer's parameters come to the device just before its forward and backward and its
+    gradient leaves for the host as soon as it is computed, so device memory holds about one layer."""
+    host_memory: str | None = None
+    """Host memory the workers' offload may use per host ("64GiB"); default: this host's available memory,
+    or the cgroup memory.max when set. The largest batch is the smaller of device-fit and host-fit."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "memory")
@@ -288,7 +327,7 @@ class MemoryConfig:
         b = self.profile_batches
         _require(len(b) == 2 and 0 < b[0] < b[1], "memory.profile_batches", f"must be two sizes b1 < b2, got {b}")
         _require(b[1] <= MAX_BATCH, "memory.profile_batches", f"must be at most {MAX_BATCH}, got {b}")
-        for key in ("device_memory", "bandwidth", "pinned_limit", "increment"):
+        for key in ("device_memory", "bandwidth", "pinned_limit", "increment", "host_memory"):
             value = getattr(self, key)
             if value is None:
                 continue
@@ -298,7 +337,7 @@ class MemoryConfig:
                 raise ConfigError(f"memory.{key}: {exc}") from None
             except OverflowError:
                 raise ConfigError(f"memory.{key}: {value!r} is too large") from None
-            low = 1 if key in ("device_memory", "bandwidth") else 0
+            low = 1 if key in ("device_memory", "bandwidth", "host_memory") else 0
             _require(low <= size <= MAX_BYTES, f"memory.{key}", f"must be in [{low} B, 1 PiB], got {value!r}")
 
 
@@ -328,12 +367,20 @@ class FaultConfig:
     """``pstrain local``: wait before the first restart; doubles with each one."""
     coordinator_timeout_s: float = 30.0
     """A PS shard or worker that cannot reach the coordinator this long exits 1 (its unit restarts it)."""
+    replace_timeout_s: float = 60.0
+    """S2.5: how long a failed worker's step waits for its replacement; then the job rolls back to the last
+    checkpoint. 0: no in-place replacement, a failed worker rolls the cluster back at once."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "fault")
         _check_choices(self, "fault")
         _require(self.max_restarts >= 0, "fault.max_restarts", f"must be non-negative, got {self.max_restarts}")
         _require(self.max_restarts <= 1000, "fault.max_restarts", f"must be at most 1000, got {self.max_restarts}")
+        _require(
+            0 <= self.replace_timeout_s <= 86400,
+            "fault.replace_timeout_s",
+            f"must be in [0, 86400], got {self.replace_timeout_s}",
+        )
         _require(
             0 < self.coordinator_timeout_s <= 3600,
             "fault.coordinator_timeout_s",
@@ -391,6 +438,68 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingTableConfig:
+    """One sparse embedding table (``embeddings.<name>``, issue 9): rows on the PS shards, not in the flat vector.
+
+    A model uses it through ``pstrain.nn.SparseEmbedding(<name>, rows, dim)``.
+    """
+
+    rows: int
+    """Rows of the table; ids are ``0..rows-1``. Rows are created on the PS when first touched."""
+    dim: int
+    init: TableInit = "normal"
+    """normal | uniform | zeros; a row's initial value depends only on (seed, table name, row id)."""
+    init_scale: float = 0.01
+    """Standard deviation (normal) or bound (uniform) of the initial values."""
+    seed: int | None = None
+    """Seed of the initial values; default: job.seed."""
+    optimizer: TableOptimizer = "sgd"
+    """sgd | adagrad | adam (lazy, row-wise: a row's moments and step count advance only when it is touched)."""
+    lr: float = 0.1
+    """The table's own learning rate (not scaled with the device count)."""
+    lr_schedule: Literal["follow", "constant"] = "follow"
+    """follow: ``lr`` times the dense schedule's factor of the step (the warmup of ``batch.warmup_steps``
+    ramps the table's rows too, so a table starts as gently as the dense layers); constant: ``lr`` every step."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    averaging: Averaging = "count"
+    """count: a row's summed gradient / the devices in which its id occurred (the source's rule, S5.3);
+    devices: / all devices of the job (the dense rule)."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "embeddings")
+        _check_choices(self, "embeddings")
+        _bounded(self.rows, "embeddings.rows", 1, 2**62)
+        _bounded(self.dim, "embeddings.dim", 1, 65536)
+        _require(self.init_scale >= 0, "embeddings.init_scale", f"must be non-negative, got {self.init_scale}")
+        _require(self.lr > 0, "embeddings.lr", f"must be positive, got {self.lr}")
+        _require(self.eps > 0, "embeddings.eps", f"must be positive, got {self.eps}")
+        if self.seed is not None:
+            _bounded(self.seed, "embeddings.seed", 0, 2**63 - 1)
+        b = self.betas
+        _require(
+            len(b) == 2 and all(0 <= x < 1 for x in b), "embeddings.betas", f"must be two numbers in [0, 1), got {b}"
+        )
+
+    def spec(self, name: str, job_seed: int) -> TableSpec:
+        return TableSpec(
+            name=name,
+            rows=self.rows,
+            dim=self.dim,
+            init=self.init,
+            init_scale=self.init_scale,
+            seed=job_seed if self.seed is None else self.seed,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            averaging=self.averaging,
+            lr_schedule=self.lr_schedule,
+        )
+
+
+@dataclass(frozen=True)
 class JobConfig:
     model: ModelConfig
     data: DataConfig
@@ -405,13 +514,31 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    embeddings: dict[str, Any] = field(default_factory=dict)
+    """Sparse embedding tables by name (issue 9): each an ``EmbeddingTableConfig`` mapping."""
 
     def __post_init__(self) -> None:
+        tables = {}
+        for name, raw in self.embeddings.items():
+            key = f"embeddings.{name}"
+            _require(isinstance(name, str) and name.isidentifier(), key, "a table name must be an identifier")
+            try:
+                tables[name] = raw if isinstance(raw, EmbeddingTableConfig) else _build(EmbeddingTableConfig, raw, key)
+            except ConfigError as exc:  # the table's own checks say "embeddings.<field>": name the table
+                message = str(exc)
+                if not message.startswith(key + "."):
+                    message = message.replace("embeddings.", key + ".", 1)
+                raise ConfigError(message) from None
+        object.__setattr__(self, "embeddings", tables)
         _require(
             self.loss in BUILTIN_LOSSES or ":" in self.loss,
             "loss",
             f"unknown loss {self.loss!r}: use one of {', '.join(sorted(BUILTIN_LOSSES))} or 'pkg.module:callable'",
         )
+
+    def table_specs(self) -> list[TableSpec]:
+        """The sparse tables as every service sees them, in name order."""
+        return [self.embeddings[name].spec(name, self.job.seed) for name in sorted(self.embeddings)]
 
     def with_steps(self, steps: int) -> JobConfig:
         return dataclasses.replace(self, job=dataclasses.replace(self.job, steps=steps))

@@ -21,6 +21,9 @@ import torch
 
 from pstrain.coordinator.errors import InvalidRequest
 from pstrain.coordinator.model_state import ModelState
+from pstrain.coordinator.table_export import PullTables, table_entries
+from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.sparse_rows import TableSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class ModelExport:
         self._buffers_wait_s = buffers_wait_s
         self._cond = cond
         self._buffers: dict[str, torch.Tensor] | None = None
+        self.pull_tables: PullTables | None = None  # issue 9: set when the job has sparse tables (table_export.py)
+        self.table_specs: list[TableSpec] = []
 
     def upload_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Keep the workers' final buffers for the export; each must match the model's by name, dtype and shape."""
@@ -70,6 +75,12 @@ class ModelExport:
                     log.warning("no buffers uploaded within %.0fs: exporting the initial ones", self._buffers_wait_s)
             buffers = self._buffers or {}
         flat = self._pull(addresses, version)
+        tables = self.pull_tables(addresses, version) if self.pull_tables is not None else None
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.model.save(self.out_dir / "model.pt", flat, buffers)
+            if tables is None:
+                self.model.save(self.out_dir / "model.pt", flat, buffers)
+            else:  # issue 9: the sparse tables join the dense state (or go to out_dir/tables past a size)
+                state = self.model.state_dict(flat, buffers)
+                state.update(table_entries(self.model.model, self.table_specs, tables, self.out_dir))
+                atomic_write(self.out_dir / "model.pt", lambda fh: torch.save(state, fh))

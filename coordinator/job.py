@@ -9,6 +9,26 @@ States (``JobState``)::
     EXPORTING --model.pt written--> FINISHED
     any --a member silent past the heartbeat timeout, or the export failed--> FAILED
 
+A worker that fails while RUNNING does not fail the job (S2.5): its slot is vacated (silent past
+the heartbeat timeout, restarted at its address, or found unreachable when a newcomer finds every
+slot taken), the step is held, and the next worker to register replaces it with the slot's
+devices and memory estimate; it tells ``rejoin_at`` which version it pulled, and the slot's data
+is positioned there, so the result equals the fault-free run. A slot left vacant past
+``replace_timeout_s`` fails the job retryably: the cluster restarts from the last checkpoint.
+Without ``replace_timeout_s`` (None; ``fault.replace_timeout_s: 0``) any failed worker does that at once.
+
+A coordinator that dies does not end the job either: restarted, it takes the job back from the
+journal (``journal.py``: the last compaction's snapshot and every event since) instead of rolling
+back, and comes up RUNNING with every member as it was. Members keep training through the outage
+(their heartbeats and calls retry, bounded by ``fault.coordinator_timeout_s``) and go on with
+their credentials; one that does not reattach within the heartbeat timeout is a silent member as
+any other. Every change the journal must replay (membership, credentials, data shards, step
+reports) is made and journaled under the job's lock, so the journal's order is the state's.
+
+A stop at a non-finite step ``t`` (``fault.on_nonfinite: stop``) records steps ``0..t-1`` first, whatever
+order the reports come in (``_settle_before``), then fails the job. A coordinator stopped by SIGTERM
+does not fail the job (``main.py``): its journal stays usable for the next start.
+
 Once FINISHED or FAILED, every heartbeat and step report answers "stop". ``Job`` is the state
 machine, a façade over the parts that do the work:
 
@@ -33,17 +53,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pstrain.coordinator.checkpoints import CheckpointLedger
 from pstrain.coordinator.data_shards import DataShardAssignment, DataShardCounts, DataShardTracker
-from pstrain.coordinator.errors import InvalidRequest, ProbeFailed, WrongState
+from pstrain.coordinator.errors import InvalidRequest, NoFreeSlot, ProbeFailed, UnknownMember, WrongState
 from pstrain.coordinator.export import ModelExport, PullFinal
+from pstrain.coordinator.journal import JOURNAL_NAME, Journal, JournalUnusable, Recovery
 from pstrain.coordinator.ledger import Progress, StepLedger, StepRecord, StepReport
-from pstrain.coordinator.membership import Membership, MemberView
+from pstrain.coordinator.membership import Member, Membership, MemberView
 from pstrain.coordinator.memory_forecast import RECENT_STEPS, PsMemoryForecast, expected_end_s
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import Plan
@@ -52,6 +74,9 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 
 log = logging.getLogger(__name__)
+
+NONFINITE_SETTLE_S = 10.0
+"""How long a stop at a non-finite step waits for the reports of the steps before it (``_settle_before``)."""
 
 
 class JobState(enum.IntEnum):
@@ -87,6 +112,17 @@ class ClusterView:
     spec: pb.JobSpec  # the opaque payload every member trains by
     state: JobState
     probe: bool  # this worker (worker 0) must probe one iteration first
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """A worker's slot as its registration reply serves it (S2.5: a replacement gets the failed one's)."""
+
+    replacement: bool
+    devices: list[str]
+    device_memory_bytes: int
+    host_memory_bytes: int
+    start_step: int  # the first step this slot has not reported
 
 
 @dataclass(frozen=True)
@@ -126,6 +162,9 @@ class Job:
         probe: ProbeSetup | None = None,
         start_step: int = 0,
         checkpoints: CheckpointLedger | None = None,
+        replace_timeout_s: float | None = None,
+        reachable: Callable[[str], bool] | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
         if not 0 <= start_step < plan.steps:
             raise ValueError(f"start step {start_step} is outside the job's steps 0..{plan.steps - 1}")
@@ -133,6 +172,16 @@ class Job:
         self.failure_retryable = True  # meaningful once FAILED: would a restart help?
         self.resume_step = start_step  # > 0: PS shards load this committed checkpoint instead of the initial weights
         self._checkpoints = checkpoints
+        self.replace_timeout_s = replace_timeout_s
+        self._reachable = reachable  # whether a worker's address still answers (a newcomer finds the slots full)
+        self.replacements = 0  # workers replaced in place (S2.5)
+        self._incarnations: dict[tuple[str, int], int] = dict(recovery.incarnations) if recovery is not None else {}
+        self.journal = Journal(out_dir / JOURNAL_NAME) if out_dir is not None else None  # the decisions, fsynced
+        if self.journal is not None and recovery is None:
+            self.journal.reset()  # a new job (or a rollback): the journal starts with it
+        self._start_step = start_step
+        self.recovered = recovery is not None
+        self._awaiting: set[tuple[str, int]] = set()  # a recovered job: members not heard from since the restart
         self.plan = plan
         self.spec = spec
         self.model = model
@@ -154,9 +203,117 @@ class Job:
             out_dir / "metrics.jsonl" if out_dir is not None else None,
             clock,
             self._cond,
-            start_step,
+            recovery.completed if recovery is not None else start_step,
+            lookahead=1,  # a worker that overlaps its next pull reports ahead of a slower peer
         )
         self.export = ModelExport(model, out_dir, pull_final, heartbeat_timeout_s, self._cond)
+        if recovery is not None:
+            self._recover(recovery)
+
+    # ------------------------------------------------------------------ the journal
+
+    def _recover(self, recovery: Recovery) -> None:
+        """Take the job back where the journal left it (a restarted coordinator): members, the data
+        shards, the step reports; RUNNING at once. Raises ``JournalUnusable`` if the replay disagrees."""
+        if recovery.completed >= self.plan.steps:
+            raise JournalUnusable("every step was recorded: the export is redone from the last checkpoint")
+        try:
+            self._take_back(recovery)
+        except (UnknownMember, InvalidRequest, WrongState, KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise JournalUnusable(f"replaying the journal failed: {exc}") from exc
+        log.warning(
+            "recovered job %s from its journal at step %d (checkpoint %d): %d members may reattach within %.0fs",
+            self.job_id,
+            self.ledger.completed,
+            self.checkpoint_step,
+            len(recovery.members),
+            self.membership.heartbeat_timeout_s,
+        )
+
+    def _take_back(self, recovery: Recovery) -> None:
+        with self._cond:
+            self.membership.restore(recovery.members)
+            self.replacements = recovery.replacements
+            if recovery.tracker is not None:
+                self.data_shards.restore(recovery.tracker)
+            elif recovery.start_step:
+                self.data_shards.resume(recovery.start_step, self._samples_per_worker)
+            for op in recovery.tracker_ops:
+                self._replay(op)
+            self.state = JobState.RUNNING
+            self.message = "recovering: waiting for the members to reattach"
+            self._awaiting = {(m.role, m.id) for m in self.membership.members() if not m.failed and not m.done}
+            self.ledger.start()
+            for fields in recovery.reports:
+                report = StepReport(**fields)
+                self._after_record(self.ledger.add(report))
+                if report.step == self.plan.steps - 1:
+                    self.membership.worker(report.worker_id).done = True
+            self._compact()  # the journal is whole again from here
+
+    def _replay(self, op: dict[str, object]) -> None:
+        """One data-shard event again, on the tracker (deterministic: the same call gives the same shard)."""
+        worker = int(op["worker"])  # type: ignore[call-overload]
+        kind = op["event"]
+        if kind == "data_shard_dispatched":
+            got = self.data_shards.dispatch(worker, int(op.get("seq", 0))).data_shard_id  # type: ignore[call-overload]
+            if got != op["data_shard"]:
+                raise JournalUnusable(f"replaying the journal dispatched data shard {got}, it says {op['data_shard']}")
+        elif kind == "data_shard_completed":
+            self.data_shards.complete(worker, int(op["data_shard"]))  # type: ignore[call-overload]
+        elif kind == "worker_failed":
+            self.data_shards.requeue(worker)
+        elif kind == "worker_rejoined":
+            self.data_shards.reposition(worker, int(op["step"]), self._samples_per_worker)  # type: ignore[call-overload]
+
+    def _reattached(self, role: str, member_id: int) -> None:
+        """A member of a recovered job was heard from (the lock held); the last one ends the recovery."""
+        self._awaiting.discard((role, member_id))
+        log.info("%s %d reattached to the restarted coordinator", role, member_id)
+        if not self._awaiting and self.state == JobState.RUNNING:
+            self.message = "training"
+            self._journal("recovered", step=self.ledger.completed)
+            log.info(
+                "every member reattached: job %s goes on at step %d, no rollback", self.job_id, self.ledger.completed
+            )
+
+    def _snapshot(self) -> dict[str, object]:
+        """The job's state for the journal's compaction (the lock held)."""
+        return {
+            **self._job_fields(),
+            "members": self.membership.snapshot(),
+            "incarnations": [[role, mid, n] for (role, mid), n in sorted(self._incarnations.items())],
+            "tracker": self.data_shards.snapshot(),
+            "reports": [asdict(r) for r in self.ledger.pending_reports()],
+            "replacements": self.replacements,
+        }
+
+    def _job_fields(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "per_device_batch": self.plan.per_device_batch,
+            "start_step": self._start_step,
+            "completed": self.ledger.completed,
+        }
+
+    def _compact(self) -> None:
+        if self.journal is not None:
+            with self._cond:
+                self.journal.compact(self.checkpoint_step, self._snapshot())
+
+    def _journal_members(self) -> None:
+        self._journal("members", members=self.membership.snapshot())
+
+    def credential_issued(self, role: str, member_id: int, incarnation: int) -> None:
+        """The servicer issued a member's credential (issue 8): a restarted coordinator accepts it again."""
+        with self._cond:
+            self._incarnations[(role, member_id)] = incarnation
+            self._journal("credential", role=role, id=member_id, incarnation=incarnation)
+
+    @property
+    def incarnations(self) -> dict[tuple[str, int], int]:
+        with self._cond:
+            return dict(self._incarnations)
 
     # ------------------------------------------------------------------ membership
 
@@ -166,6 +323,7 @@ class Job:
             if self.state != JobState.WAITING and self.membership.restarted_ps(shard_id, address):
                 self._roll_back(f"PS shard {shard_id} restarted at {address} and lost its state")
             self.membership.register_ps(shard_id, address, metrics_address)
+            self._journal_members()
             return self.shard_ranges[shard_id]
 
     def initial_parameters(self, shard_id: int) -> torch.Tensor:
@@ -183,9 +341,24 @@ class Job:
             if not 0 < step <= self.plan.steps:
                 raise InvalidRequest(f"checkpoint step {step} is outside this job's steps 1..{self.plan.steps}")
         self._checkpoints.confirm(shard_id, step)
-        if self._checkpoints.commit(self.ledger.completed) is not None:  # file I/O: outside the job's lock
+        if self._commit(self.ledger.completed):  # file I/O: outside the job's lock
             with self._cond:
                 self._cond.notify_all()
+
+    def _commit(self, completed: int) -> bool:
+        """Commit the newest checkpoint that is ready; the journal then starts again from it."""
+        assert self._checkpoints is not None
+        manifest = self._checkpoints.commit(completed)
+        if manifest is not None:
+            self._journal("checkpoint_committed", step=manifest.step)
+            with self._cond:
+                if not self.state.over:
+                    self._compact()
+        return manifest is not None
+
+    def _journal(self, event: str, durable: bool = True, **fields: object) -> None:
+        if self.journal is not None:
+            self.journal.append(event, durable, **fields)
 
     @property
     def checkpoint_step(self) -> int:
@@ -195,17 +368,119 @@ class Job:
     def ps_ready(self, shard_id: int) -> None:
         with self._cond:
             self.membership.ps_ready(shard_id)
+            self._journal_members()
             self._maybe_start()
 
     def register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str = "") -> int:
+        """A worker joins: a free slot, or (RUNNING) the slot of a failed worker it replaces (S2.5)."""
+        try:
+            return self._register_worker(address, devices, hostname, metrics_address).id
+        except NoFreeSlot:
+            if not self._vacate_unreachable():
+                raise
+            return self._register_worker(address, devices, hostname, metrics_address).id
+
+    def worker_slot(self, worker_id: int) -> WorkerSlot:
+        """What a worker is served on registration: a replacement is configured like the failed worker."""
+        with self._cond:
+            member = self.membership.worker(worker_id)
+            return WorkerSlot(
+                replacement=member.replacement,
+                devices=list(member.devices),
+                device_memory_bytes=self.worker_device_bytes,
+                host_memory_bytes=self.worker_host_bytes,
+                start_step=self.ledger.first_unreported(worker_id),
+            )
+
+    @property
+    def replaces_workers(self) -> bool:
+        return self.replace_timeout_s is not None
+
+    def _register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str) -> Member:
         with self._cond:
             self._check_not_over()
             restarted = self.membership.restarted_worker(address, hostname) if self.state != JobState.WAITING else None
             if restarted is not None:
-                self._roll_back(f"worker {restarted} on host {hostname} restarted")
+                if self.state != JobState.RUNNING or not self.replaces_workers:
+                    self._roll_back(f"worker {restarted} on host {hostname} restarted")
+                self._vacate(restarted, f"it restarted on host {hostname}")
             member = self.membership.register_worker(address, devices, hostname, metrics_address)
+            if member.replacement:
+                self.replacements += 1
+            self._journal(
+                "worker_registered", worker=member.id, address=address, host=hostname, replacement=member.replacement
+            )
+            self._journal_members()
             self._maybe_start()
-            return member.id
+            return member
+
+    def _vacate_unreachable(self) -> bool:
+        """Every slot is taken: vacate those whose worker no longer answers at its address (a crashed
+        process refuses the connection at once); network I/O, so outside the lock. True if any."""
+        with self._cond:
+            if self.state != JobState.RUNNING or self._reachable is None or not self.replaces_workers:
+                return False
+            occupied = self.membership.occupied_workers()
+        dead = [(wid, address) for wid, address in occupied if not self._reachable(address)]
+        with self._cond:
+            vacated = False
+            for wid, address in dead:
+                member = self.membership.worker(wid)
+                if member.address == address and not member.failed and not member.done:
+                    self._vacate(wid, f"it does not answer at {address}")
+                    vacated = True
+            return vacated
+
+    def _vacate(self, worker_id: int, why: str) -> None:
+        """Declare a worker failed (the lock held): hold the step, requeue its data, wait for a replacement."""
+        member = self.membership.vacate(worker_id)
+        requeued = self.data_shards.requeue(worker_id)  # the tracker's lock is a leaf: safe under ours
+        self._journal("worker_failed", worker=worker_id, why=why, held_step=self.ledger.completed, requeued=requeued)
+        self._journal_members()
+        log.warning(
+            "worker %d at %s failed (%s): step %d is held for its replacement (data shards %s requeued; "
+            "a replacement has %.0fs)",
+            worker_id,
+            member.address,
+            why,
+            self.ledger.completed,
+            requeued,
+            self.replace_timeout_s,
+        )
+        self._cond.notify_all()
+
+    def rejoin_at(self, worker_id: int, step: int, inconsistent: str = "") -> Directive:
+        """A replacement pulled version ``step`` and trains from there: position its slot's data (S2.5).
+
+        ``step`` is the held step, or the one after it when the failed worker had pushed the held step
+        everywhere before it died (its push stays counted); then its missing report is stood in for.
+        PS shards at different versions (the failed worker pushed to some only) cannot be mended in
+        place: the cluster rolls back to the last committed checkpoint.
+        """
+        with self._cond:
+            member = self.membership.worker(worker_id)
+            if self.state.over:
+                return self._directive()
+            completed = self.ledger.completed
+            unreported = self.ledger.first_unreported(worker_id)
+            if inconsistent or not completed <= step <= unreported + 1:
+                why = inconsistent or f"it pulled version {step} while step {completed} is held"
+                self.fail(f"replacement worker {worker_id} cannot redo the step ({why}); rolling back")
+                return self._directive()
+            for pushed in range(unreported, step):  # pushed by the failed worker, never reported
+                stand_in = self.ledger.stand_in_report(worker_id, pushed, self._samples_per_worker)
+                record = self.ledger.add(stand_in)
+                self._journal("report", False, report=asdict(stand_in))
+                self._after_record(record)
+            member.last_seen = self._clock()
+            done = self.data_shards.reposition(worker_id, step, self._samples_per_worker)
+            self._journal("worker_rejoined", worker=worker_id, step=step, data_shards_done=done)
+        log.info("worker %d resumes its slot at step %d (data shards %s counted done)", worker_id, step, done)
+        return self._directive()
+
+    @property
+    def _samples_per_worker(self) -> int:
+        return self.plan.per_device_batch * self.plan.devices_per_worker
 
     @property
     def probe_done(self) -> bool:
@@ -226,6 +501,7 @@ class Job:
             self.state = JobState.RUNNING
             self.message = "training"
             self.ledger.start()
+            self._journal("job_started", **self._job_fields(), members=self.membership.snapshot())
             log.info("all members ready: %s", self.plan.describe())
         self._cond.notify_all()
 
@@ -285,29 +561,43 @@ class Job:
 
     # ------------------------------------------------------------------ data shards
 
-    def request_data_shard(self, worker_id: int) -> DataShardAssignment:
+    def request_data_shard(self, worker_id: int, seq: int = 0) -> DataShardAssignment:
+        """The worker's next data shard; ``seq`` > 0 numbers the request, so a retry gets the same one."""
         with self._cond:
             self.membership.worker(worker_id)
             self._check_not_over()
-        return self.data_shards.dispatch(worker_id)
+            data_shard = self.data_shards.dispatch(worker_id, seq)
+            self._journal(
+                "data_shard_dispatched",
+                False,
+                worker=worker_id,
+                seq=seq,
+                data_shard=data_shard.data_shard_id,
+                epoch=data_shard.epoch,
+                samples=len(data_shard.indices),
+            )
+            return data_shard
 
     def complete_data_shard(self, worker_id: int, data_shard_id: int) -> None:
         with self._cond:
             self.membership.worker(worker_id)
-        self.data_shards.complete(worker_id, data_shard_id)
+            self.data_shards.complete(worker_id, data_shard_id)
+            self._journal("data_shard_completed", False, worker=worker_id, data_shard=data_shard_id)
 
     # ------------------------------------------------------------------ steps and export
 
     def report_step(self, report: StepReport) -> Directive:
         directive, completed = self._record_step(report)
         if self._checkpoints is not None and completed is not None:
-            self._checkpoints.commit(completed)  # a checkpoint waiting for this step's record; outside the lock
+            self._commit(completed)  # a checkpoint waiting for this step's record; outside the lock
         return directive
 
     def _record_step(self, report: StepReport) -> tuple[Directive, int | None]:
         """Take the report; returns the directive and, when the report completed a step, the step count."""
         with self._cond:
             worker = self.membership.worker(report.worker_id)
+            if worker.failed:
+                return self._replaced_directive(report.worker_id), None
             worker.last_seen = self._clock()
             if not 0 <= report.step < self.plan.steps:
                 raise InvalidRequest(f"step {report.step} is outside this job's steps 0..{self.plan.steps - 1}")
@@ -316,6 +606,10 @@ class Job:
             if self.state != JobState.RUNNING:
                 raise WrongState(f"job is {self.state.name}; step reports are accepted while RUNNING")
             if report.nonfinite and self.spec.on_nonfinite != "skip":
+                if report.step <= self.ledger.first_unreported(report.worker_id):  # it reported every step before
+                    self._settle_before(report.step)
+                if self.state.over:
+                    return self._directive(), None
                 self.fail(
                     f"worker {report.worker_id} computed a non-finite loss or gradient at step {report.step}; "
                     "fault.on_nonfinite: stop",
@@ -323,15 +617,48 @@ class Job:
                 )
                 return self._directive(), None
             record = self.ledger.add(report)
-            if record is not None and record.step == self.plan.steps - 1:
-                self.state = JobState.EXPORTING
-                self.message = "exporting the trained model"
-                addresses = self.membership.ps_addresses()
-                threading.Thread(target=self._run_export, args=(addresses,), name="export", daemon=True).start()
-                self._cond.notify_all()
+            self._journal("report", False, report=asdict(report))
+            self._after_record(record)
             if report.step == self.plan.steps - 1:
                 worker.done = True
             return self._directive(), (self.ledger.completed if record is not None else None)
+
+    def _settle_before(self, step: int) -> None:
+        """A stop at non-finite ``step`` (the lock held) records every step before it first.
+
+        The worker computed ``step`` on version ``step``, so every worker pushed each earlier step;
+        a slower peer's report of ``step - 1`` may still be on its way (a worker reports one step
+        ahead). Wait for it, bounded; a report that does not come is stood in for (the model is
+        exact, only that record's loss is estimated). So the steps recorded are always 0..step-1.
+        """
+        deadline = time.monotonic() + min(self.membership.heartbeat_timeout_s, NONFINITE_SETTLE_S)
+        while self.ledger.completed < step and not self.state.over:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+        while self.ledger.completed < step and not self.state.over:
+            pending = self.ledger.completed
+            if not self.ledger.missing(pending):
+                break
+            for worker_id in self.ledger.missing(pending):
+                stand_in = self.ledger.stand_in_report(worker_id, pending, self._samples_per_worker)
+                log.warning(
+                    "worker %d did not report step %d before the stop: its report is stood in", worker_id, pending
+                )
+                self._journal("report", False, report=asdict(stand_in))
+                self._after_record(self.ledger.add(stand_in))
+
+    def _after_record(self, record: StepRecord | None) -> None:
+        """With the lock held: journal a completed step; the last step's record starts the export."""
+        if record is not None:
+            self._journal("step", step=record.step, global_batch=record.global_batch, lr=record.lr)
+        if record is not None and record.step == self.plan.steps - 1:
+            self.state = JobState.EXPORTING
+            self.message = "exporting the trained model"
+            addresses = self.membership.ps_addresses()
+            threading.Thread(target=self._run_export, args=(addresses,), name="export", daemon=True).start()
+            self._cond.notify_all()
 
     @property
     def records(self) -> list[StepRecord]:
@@ -350,6 +677,7 @@ class Job:
         with self._cond:
             self.state = JobState.FINISHED
             self.message = "finished"
+            self._journal("job_over", state=self.state.name, message=self.message)
             self._cond.notify_all()
         log.info("job finished after %d steps", self.plan.steps)
 
@@ -362,6 +690,10 @@ class Job:
     def heartbeat(self, role: str, member_id: int, rss_bytes: int = 0) -> Directive:
         with self._cond:
             member = self.membership.heard_from(role, member_id, rss_bytes)
+            if member.failed:
+                return self._replaced_directive(member_id)
+            if (role, member_id) in self._awaiting:
+                self._reattached(role, member_id)
             directive = self._directive()
             if directive.stop:
                 member.done = True
@@ -369,10 +701,20 @@ class Job:
             return directive
 
     def check_liveness(self) -> None:
-        """Fail the job when a member that still has work went silent (recovery comes later)."""
+        """A silent worker while RUNNING is vacated for a replacement (S2.5); a slot vacant past
+        ``replace_timeout_s``, or any other silent member, fails the job (retryably: rollback)."""
         with self._cond:
             if self.state.over:
                 return
+            if self.state == JobState.RUNNING and self.replace_timeout_s is not None:
+                for worker_id in self.membership.silent_workers():
+                    self._vacate(worker_id, f"silent for over {self.membership.heartbeat_timeout_s:.0f}s")
+                now = self._clock()
+                for worker_id in self.membership.vacant_slots():
+                    waited = now - self.membership.worker(worker_id).failed_at
+                    if waited > self.replace_timeout_s:
+                        self.fail(f"no replacement for failed worker {worker_id} within {self.replace_timeout_s:.0f}s")
+                        return
             reason = self.membership.silent()
             if reason is not None:
                 self.fail(reason)
@@ -395,6 +737,7 @@ class Job:
             self.state = JobState.FAILED
             self.message = reason
             self.failure_retryable = retryable
+            self._journal("job_over", state=self.state.name, message=reason)
             log.error("job failed: %s", reason)
             self._cond.notify_all()
 
@@ -448,12 +791,23 @@ class Job:
 
     def close(self) -> None:
         self.ledger.close()
+        if self.journal is not None:
+            self.journal.close()
 
     # ------------------------------------------------------------------ helpers
 
     def _check_not_over(self) -> None:
         if self.state.over:
             raise WrongState(f"job {self.job_id} is {self.state.name}: {self.message}")
+
+    def _replaced_directive(self, worker_id: int) -> Directive:
+        """To a worker declared failed that still talks (it was cut off): exit 1 and rejoin as its replacement."""
+        return Directive(
+            stop=True,
+            state=JobState.FAILED,
+            reason=f"worker {worker_id} was declared failed; restart to rejoin as its replacement",
+            retryable=True,
+        )
 
     def _directive(self) -> Directive:
         retryable = self.state == JobState.FAILED and self.failure_retryable

@@ -4,7 +4,9 @@ A step completes when every worker reported it; its record weighs each worker's 
 samples and times the step from the previous completion (step 0: from the start of training, or
 the slowest worker's own step time if that is longer). Steps complete in order: a report for a
 step past the next one is refused, a retried report of a recorded step is ignored, and a second
-report of a pending step replaces the first.
+report of a pending step replaces the first. With ``lookahead`` n, a worker that reported every
+step up to one may report up to n steps past the next one (a worker that overlaps its pull with
+the next step reports step t + 1 before a slower peer's report of t arrives); they wait, pending.
 
 A step that some worker reported ``nonfinite`` (it saw a NaN/Inf loss or gradient and asked the
 PS to skip the step, ``fault.on_nonfinite: skip``) is recorded as skipped: its loss is NaN in the
@@ -92,8 +94,10 @@ class StepLedger:
         clock: Callable[[], float],
         cond: threading.Condition,
         start_step: int = 0,
+        lookahead: int = 0,
     ) -> None:
         self.workers = workers
+        self.lookahead = lookahead
         self._lr_at = lr_at
         self._clock = clock
         self._cond = cond
@@ -143,13 +147,41 @@ class StepLedger:
         completed = self.completed
         if report.step < completed:
             return None  # a retried report of a step already recorded
-        if report.step > completed:
+        ahead = report.step > completed + self.lookahead or report.step > self.first_unreported(report.worker_id)
+        if report.step > completed and ahead:
             raise WrongState(f"worker {report.worker_id} reported step {report.step} before step {completed} completed")
-        pending = self._reports.setdefault(report.step, {})
-        pending[report.worker_id] = report
-        if len(pending) < self.workers:
-            return None
-        return self._complete(report.step)
+        self._reports.setdefault(report.step, {})[report.worker_id] = report
+        record = None
+        while len(self._reports.get(self.completed, {})) >= self.workers:
+            record = self._complete(self.completed)
+        return record
+
+    def first_unreported(self, worker_id: int) -> int:
+        """The first step ``worker_id`` has not reported (the held step, or the one after if it reported it)."""
+        step = self.completed
+        while worker_id in self._reports.get(step, {}):
+            step += 1
+        return step
+
+    def missing(self, step: int) -> list[int]:
+        """The workers whose report of ``step`` (not recorded yet) has not arrived."""
+        return [w for w in range(self.workers) if w not in self._reports.get(step, {})]
+
+    def pending_reports(self) -> list[StepReport]:
+        """Reports of steps not recorded yet, by step (the journal's snapshot: a restarted coordinator keeps them)."""
+        return [report for step in sorted(self._reports) for report in self._reports[step].values()]
+
+    def stand_in(self, worker_id: int, step: int, samples: int) -> StepRecord | None:
+        """Report ``step`` for a failed worker that pushed it but died before reporting (S2.5); its loss is
+        taken as the mean of the others' (the model is exact, only this record's loss is estimated)."""
+        return self.add(self.stand_in_report(worker_id, step, samples))
+
+    def stand_in_report(self, worker_id: int, step: int, samples: int) -> StepReport:
+        """The report ``stand_in`` adds (the Job journals it, so a restarted coordinator has it too)."""
+        pending = self._reports.get(step, {})
+        others = [r for w, r in pending.items() if w != worker_id]
+        loss = sum(r.loss for r in others) / len(others) if others else math.nan
+        return StepReport(worker_id=worker_id, step=step, loss=loss, samples=samples, step_s=0.0)
 
     def _complete(self, step: int) -> StepRecord:
         reports = list(self._reports.pop(step).values())

@@ -1,7 +1,14 @@
 """``pstrain-coordinator``: plan the job, admit members, hand out data, end the job.
 
 Runs until the job is FINISHED (model exported, every PS shard told to stop) or FAILED;
-exits 0 or 1 accordingly. SIGTERM stops it early with health NOT_SERVING and a drain.
+exits 0 or 1 accordingly. SIGTERM stops it early with health NOT_SERVING and a drain, without failing
+the job: its journal stays usable, and a coordinator started again (``--recover auto``) takes it back.
+
+Restarted after it died mid-job (``--recover auto``, the default), it takes the job back from
+``<out>/journal.jsonl`` and the last committed checkpoint, with the job key it kept in
+``<out>/job.key`` (0600), so the members' credentials stay valid and they go on without a
+rollback. Without a usable journal, or with ``--recover never`` (what ``pstrain local`` passes
+when it starts a whole cluster), it resumes from the last committed checkpoint as before.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -20,15 +28,18 @@ from pstrain.coordinator.config import JobConfig, load_config
 from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.job import Job, JobState
+from pstrain.coordinator.journal import JOURNAL_NAME, JournalUnusable, Recovery, recovery
 from pstrain.coordinator.metrics import register_job_metrics
 from pstrain.coordinator.plan import job_spec
 from pstrain.coordinator.planning import describe, plan_job, probe_setup
 from pstrain.coordinator.preflight import preflight
-from pstrain.coordinator.service import CoordinatorServicer
+from pstrain.coordinator.service import CoordinatorServicer, address_answers
+from pstrain.coordinator.table_export import attach_table_export
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.runtime.lifecycle import add_common_flags, advertised_address, sd_notify, stop_on_signals, write_port_file
+from pstrain.runtime.identity import IdentityHolder, MemberKeys, MemberRegistry
+from pstrain.runtime.lifecycle import add_common_flags, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED
+from pstrain.runtime.member import EXIT_JOB_FAILED, metrics_address_of
 from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.ps_api import RetryPolicy, with_retries
 from pstrain.runtime.ps_client import PsClient
@@ -47,8 +58,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fresh", action="store_true", help="discard the committed checkpoints instead of resuming from the newest"
     )
+    p.add_argument(
+        "--recover",
+        choices=("auto", "never"),
+        default="auto",
+        help="auto: a coordinator restarted mid-job takes the job back from its journal (no rollback); "
+        "never: resume from the last committed checkpoint",
+    )
     add_common_flags(p, default_bind="0.0.0.0:7070")
     return p.parse_args(argv)
+
+
+KEY_NAME = "job.key"
+
+
+def job_keys(out_dir: Path | None, recovered: bool) -> MemberKeys:
+    """The job key behind every credential (issue 8): the kept one for a recovered job, else a new one,
+    kept in ``<out>/job.key`` (0600, atomically) so a restarted coordinator can take the job back."""
+    if out_dir is None:
+        return MemberKeys.generate()
+    path = out_dir / KEY_NAME
+    if recovered:
+        return MemberKeys(path.read_bytes())
+    keys = MemberKeys.generate()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(KEY_NAME + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, keys.job_key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return keys
+
+
+def journal_recovery(out_dir: Path | None) -> Recovery | None:
+    """The job as the journal left it, if it can be taken back; None (and why, logged) otherwise."""
+    if out_dir is None:
+        return None
+    try:
+        if not (out_dir / KEY_NAME).exists():
+            raise JournalUnusable(f"no {KEY_NAME}: the members' credentials could not be checked")
+        return recovery(out_dir / JOURNAL_NAME)
+    except (JournalUnusable, OSError, KeyError, TypeError, ValueError) as exc:
+        if (out_dir / JOURNAL_NAME).exists():
+            log.warning("not taking the job back from its journal (%s); resuming from the last checkpoint", exc)
+        return None
 
 
 def checkpoint_dir(cfg: JobConfig, out_dir: Path | None) -> Path | None:
@@ -60,8 +116,27 @@ def checkpoint_dir(cfg: JobConfig, out_dir: Path | None) -> Path | None:
     return (out_dir / "checkpoints").resolve() if out_dir is not None else None
 
 
-def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity = INSECURE, fresh: bool = False) -> Job:
-    """Everything the coordinator knows before the first member calls, resumed from a checkpoint if any."""
+def build_job(
+    cfg: JobConfig,
+    out_dir: Path | None,
+    security: TransportSecurity = INSECURE,
+    fresh: bool = False,
+    recover: bool = False,
+) -> Job:
+    """Everything the coordinator knows before the first member calls, resumed from a checkpoint if any;
+    with ``recover``, the running job taken back from the journal when it can be (``Job.recovered``)."""
+    taken_back = journal_recovery(out_dir) if recover and not fresh else None
+    if taken_back is not None:
+        try:
+            return _build_job(cfg, out_dir, security, fresh, taken_back)
+        except JournalUnusable as exc:
+            log.warning("not taking the job back from its journal (%s); resuming from the last checkpoint", exc)
+    return _build_job(cfg, out_dir, security, fresh, None)
+
+
+def _build_job(
+    cfg: JobConfig, out_dir: Path | None, security: TransportSecurity, fresh: bool, taken_back: Recovery | None
+) -> Job:
     checked = preflight(cfg)  # every factory the job file names, once: a bad one fails here with its key
     model, dataset = checked.model, checked.dataset
     dataset_size = len(dataset)  # type: ignore[arg-type]
@@ -71,7 +146,7 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         log.info("memory plan:\n%s", describe(job_plan))
     if dataset_size < plan.per_device_batch:
         raise ConfigError(f"batch.per_device: {plan.per_device_batch} exceeds the dataset's {dataset_size} samples")
-    job_id = f"{cfg.job.name}-{uuid.uuid4().hex[:8]}"
+    job_id = taken_back.job_id if taken_back is not None else f"{cfg.job.name}-{uuid.uuid4().hex[:8]}"
     directory = checkpoint_dir(cfg, out_dir)
     where = str(directory) if directory is not None else ""
     spec = job_spec(cfg, plan, model.layout, job_id, job_plan.layer_policies(), where)
@@ -79,13 +154,17 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
     resume, ledger = None, None
     if directory is not None:
         try:
-            export = out_dir / "model.pt" if out_dir is not None else None
-            resume = resume_point(directory, job_hash(dataclasses.asdict(cfg)), plan.steps, fresh, export)
+            model_file = out_dir / "model.pt" if out_dir is not None else None
+            resume = resume_point(directory, job_hash(dataclasses.asdict(cfg)), plan.steps, fresh, model_file)
         except CheckpointMismatch as exc:
             raise ConfigError(f"checkpoint.dir: {exc}") from exc
         if resume is not None and probe is not None:
             plan, spec = probe.replan(resume.per_worker_batch // plan.devices_per_worker)
             probe = None  # the checkpoint's batch was probed when it was first planned
+    if taken_back is not None and probe is not None:
+        plan, spec = probe.replan(taken_back.per_device_batch)
+        probe = None  # the journal's job was probed before it started
+    if directory is not None:
         template = Manifest(
             step=-1,
             job_hash=job_hash(dataclasses.asdict(cfg)),
@@ -108,7 +187,7 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         ledger = CheckpointLedger(directory, template, cfg.checkpoint.keep)
     tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed, slots=plan.workers)
     start_step = resume.step if resume is not None else 0
-    if start_step:
+    if start_step and taken_back is None:  # a job taken back positions its tracker from the journal
         tracker.resume(start_step, plan.per_device_batch * plan.devices_per_worker)
         log.info("resuming from the committed checkpoint of step %d in %s", start_step, directory)
 
@@ -135,28 +214,38 @@ def build_job(cfg: JobConfig, out_dir: Path | None, security: TransportSecurity 
         probe=probe,
         start_step=start_step,
         checkpoints=ledger,
+        replace_timeout_s=cfg.fault.replace_timeout_s or None,
+        reachable=address_answers(security),
+        recovery=taken_back,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        security = security_from_args(args)
+        identity = IdentityHolder()
+        security = security_from_args(args).with_identity(identity)
         cfg = load_config(args.config)
         if args.steps is not None:
             cfg = cfg.with_steps(args.steps)
-        job = build_job(cfg, Path(args.out) if args.out else None, security, args.fresh)
+        out_dir = Path(args.out) if args.out else None
+        job = build_job(cfg, out_dir, security, args.fresh, recover=args.recover == "auto")
+        registry = MemberRegistry(job_keys(out_dir, job.recovered))  # issue 8: the job key behind every credential
+        for (role, member_id), incarnation in job.incarnations.items():
+            for _ in range(incarnation + 1):  # the registry's count back to the newest credential issued
+                registry.issue(role, member_id)
+        identity.adopt(registry.keys.mint("coordinator", 0))  # its export pulls from the PS shards
+        attach_table_export(job.export, cfg, security)  # issue 9: sparse tables into model.pt
     except (ConfigError, SecurityError) as exc:
         log.error("cannot start job %s: %s", args.config, exc, exc_info=exc.__cause__ is not None)
         return 2
     stop = threading.Event()
     stop_on_signals(stop)
-    server = start_server(
-        args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"], security
-    )
-    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
-    if metrics_port > 0:
+    servicer = CoordinatorServicer(job, registry)
+    server = start_server(args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, servicer)], ["Coordinator"], security)
+    metrics = serve_metrics(host_of(args.bind), args.metrics_port, security, args.metrics_host)
+    if metrics:
         register_job_metrics(job)
-        job.metrics_address = advertised_address(args.bind, metrics_port)
+        job.metrics_address = metrics_address_of(args.bind, metrics)
     log.info("job %s on port %d: %s", job.job_id, server.port, job.plan.describe())
     server.set_serving(True)
     if args.port_file:
@@ -166,7 +255,14 @@ def run(args: argparse.Namespace) -> int:
         while not stop.is_set() and not job.wait_over(cfg.transport.heartbeat_s):
             job.check_liveness()
         if stop.is_set():
-            job.fail("coordinator stopped by signal")
+            # Not a failure of the job: the journal stays usable (no ``job_over``), so a coordinator started
+            # again (``systemctl restart``) takes the job back while the members ride out the outage.
+            log.warning(
+                "stopped by signal at step %d; job %s is left %s: a coordinator started again takes it back",
+                job.ledger.completed,
+                job.job_id,
+                job.state.name,
+            )
             return 0  # SIGTERM is an orderly stop, not a failure of this process
         job.wait_stopped(args.linger_s)
         if job.state == JobState.FINISHED:

@@ -4,8 +4,14 @@ A member is alive while it was heard from (registration, readiness, a heartbeat,
 within the heartbeat timeout. A PS shard id is taken by one process at a time: another address
 may take it only once the holder went silent (a shard restarted elsewhere); the same address may
 register again (a retried call). Worker ids are handed out in registration order until the
-plan's slots are full. Each heartbeat's RSS is kept as a sample in the member's
-``MemoryHistory``; ``ps_memory`` forecasts the PS shards' memory from them (S2.4).
+plan's slots are full. A worker slot whose holder failed is ``vacate``-d (S2.5): the next worker
+to register takes it, as ``replacement``, with the failed worker's devices. Each heartbeat's RSS is
+kept as a sample in the member's ``MemoryHistory``; ``ps_memory`` forecasts the PS shards' memory
+from them (S2.4).
+
+A restarted coordinator takes the members back from its journal (``snapshot``/``restore`` and the
+registrations since): each is alive from the restart on, so a member that reattaches within the
+heartbeat timeout simply goes on, and one that does not is a silent member as any other.
 
 Plain and not thread-safe: the ``Job`` calls it only with its lock held. The clock is injected.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember
 from pstrain.coordinator.memory_forecast import MemoryHistory, PsMemoryForecast, forecast_ps_memory
@@ -37,6 +44,10 @@ class Member:
     done: bool = False  # a worker past its last step, a PS told to stop
     hostname: str = ""
     metrics_address: str = ""
+    devices: list[str] = field(default_factory=list)  # what a worker registered with (its replacement gets them)
+    failed: bool = False  # a worker declared failed; its slot waits for a replacement (S2.5)
+    failed_at: float = 0.0
+    replacement: bool = False  # this worker took the slot of a failed one
     memory: MemoryHistory = field(default_factory=MemoryHistory)  # RSS from heartbeats; a re-registration starts anew
 
 
@@ -99,15 +110,53 @@ class Membership:
                 f"worker offers {len(devices)} devices but the plan needs {self.devices_per_worker} "
                 f"per worker (cluster.devices_per_worker)"
             )
-        if len(self._workers) >= self.workers:
+        vacant = self.vacant_slots()
+        if len(self._workers) >= self.workers and not vacant:
             raise NoFreeSlot(f"all {self.workers} worker slots of job {self.job_id} are taken")
-        worker_id = len(self._workers)
+        replacing = len(self._workers) >= self.workers
+        worker_id = vacant[0] if replacing else len(self._workers)
+        if replacing and not devices:
+            devices = self._workers[worker_id].devices  # configured like the failed worker
         member = Member(
-            "worker", worker_id, address, self._clock(), ready=True, hostname=hostname, metrics_address=metrics_address
+            "worker",
+            worker_id,
+            address,
+            self._clock(),
+            ready=True,
+            hostname=hostname,
+            metrics_address=metrics_address,
+            devices=list(devices),
+            replacement=replacing,
         )
         self._workers[worker_id] = member
-        log.info("worker %d registered from %s (%s)", worker_id, hostname, address)
+        what = "replaces failed worker" if replacing else "registered as worker"
+        log.info("%s %d from %s (%s)", what, worker_id, hostname, address)
         return member
+
+    def vacate(self, worker_id: int) -> Member:
+        """Declare a worker failed: its slot waits for a replacement (S2.5)."""
+        member = self.worker(worker_id)
+        if not member.failed:
+            member.failed = True
+            member.failed_at = self._clock()
+        return member
+
+    def vacant_slots(self) -> list[int]:
+        """Worker slots whose holder failed and that no replacement took yet, lowest first."""
+        return sorted(i for i, m in self._workers.items() if m.failed)
+
+    def silent_workers(self) -> list[int]:
+        """Workers with work left, not yet declared failed, silent past the heartbeat timeout."""
+        now = self._clock()
+        return [
+            m.id
+            for m in self._workers.values()
+            if not m.failed and not m.done and now - m.last_seen > self.heartbeat_timeout_s
+        ]
+
+    def occupied_workers(self) -> list[tuple[int, str]]:
+        """(id, address) of every worker slot held by a process not declared failed."""
+        return [(m.id, m.address) for m in self._workers.values() if not m.failed]
 
     # ------------------------------------------------------------------ lookups
 
@@ -146,6 +195,8 @@ class Membership:
     def restarted_worker(self, address: str, hostname: str) -> int | None:
         """The slot of a worker that restarted: one registered at ``address``, or a silent one on ``hostname``."""
         for m in self._workers.values():
+            if m.failed:
+                continue
             if m.address == address or (hostname and m.hostname == hostname and not self.alive(m)):
                 return m.id
         return None
@@ -177,7 +228,7 @@ class Membership:
         return forecast_ps_memory(histories, self._clock(), end_s, self._memory_settings)
 
     def alive(self, member: Member) -> bool:
-        return self._clock() - member.last_seen <= self.heartbeat_timeout_s
+        return not member.failed and self._clock() - member.last_seen <= self.heartbeat_timeout_s
 
     def alive_count(self, role: str) -> int:
         members = self._ps if role == "ps" else self._workers
@@ -187,9 +238,38 @@ class Membership:
         """Why the job must fail: the first member with work left that is silent past the timeout, if any."""
         now = self._clock()
         for member in self.members():
-            if not member.done and now - member.last_seen > self.heartbeat_timeout_s:
+            if not member.done and not member.failed and now - member.last_seen > self.heartbeat_timeout_s:
                 return f"{member.role} {member.id} at {member.address} silent for {now - member.last_seen:.0f}s"
         return None
+
+    # ------------------------------------------------------------------ the journal's snapshot
+
+    _KEPT = (
+        "role",
+        "id",
+        "address",
+        "ready",
+        "done",
+        "hostname",
+        "metrics_address",
+        "devices",
+        "failed",
+        "replacement",
+    )
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every member as plain JSON (liveness and memory samples are not kept: they restart)."""
+        return [{k: getattr(m, k) for k in self._KEPT} for m in self.members()]
+
+    def restore(self, members: list[dict[str, Any]]) -> None:
+        """Take a ``snapshot``'s members back, every one heard from now (it has the heartbeat timeout to
+        reattach); a worker declared failed waits for its replacement from now."""
+        now = self._clock()
+        self._ps, self._workers = {}, {}
+        for fields in members:
+            member = Member(**{k: fields[k] for k in self._KEPT}, last_seen=now)
+            member.failed_at = now
+            (self._ps if member.role == "ps" else self._workers)[member.id] = member
 
     def members(self) -> list[Member]:
         return [*self._ps.values(), *self._workers.values()]
@@ -201,7 +281,7 @@ class Membership:
                 role=m.role,
                 id=m.id,
                 address=m.address,
-                alive=now - m.last_seen <= self.heartbeat_timeout_s,
+                alive=not m.failed and now - m.last_seen <= self.heartbeat_timeout_s,
                 last_seen_s_ago=now - m.last_seen,
                 metrics_address=m.metrics_address,
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
@@ -71,12 +72,16 @@ def register_ps_memory_metrics(job: Job, registry: CollectorRegistry = REGISTRY)
         registry=registry,
     )
     for shard_id in range(len(job.shard_ranges)):
-        per_shard.labels(str(shard_id)).set_function(lambda i=shard_id: shard_bytes(i))
+        per_shard.labels(str(shard_id)).set_function(functools.partial(shard_bytes, shard_id))
     trend = Gauge(
         "pstrain_coordinator_ps_memory_trend",
         "1 for the PS memory trend now, 0 for the others",
         ["trend"],
         registry=registry,
     )
+
+    def is_trend(value: Trend) -> float:
+        return float(forecast().trend is value)
+
     for value in Trend:
-        trend.labels(value.value).set_function(lambda v=value: float(forecast().trend is v))
+        trend.labels(value.value).set_function(functools.partial(is_trend, value))

@@ -10,6 +10,7 @@ import torch
 
 from pstrain.coordinator.config import JobConfig
 from pstrain.coordinator.errors import ConfigError
+from pstrain.coordinator.initial_tables import CheckpointTable, take_tables
 from pstrain.runtime.atomic_io import atomic_write
 from pstrain.runtime.factories import FactoryArgumentsError, FactoryError, build_model, describe_exception
 from pstrain.runtime.layout import ParamLayout
@@ -23,8 +24,10 @@ class ModelState:
         except FactoryError as exc:
             key = "model.kwargs" if isinstance(exc, FactoryArgumentsError) else "model.factory"
             raise ConfigError(f"{key}: {exc}") from exc
+        self.tables: dict[str, CheckpointTable] = {}  # issue 9: init_checkpoint's sparse tables (initial_tables.py)
         if cfg.model.init_checkpoint:
             self._load_checkpoint(cfg.model.init_checkpoint)
+            self.tables = take_tables(self.model, cfg.model.init_checkpoint, cfg.table_specs())
         self.initial = self.layout.flatten(self.model)
 
     def _load_checkpoint(self, path: str) -> None:

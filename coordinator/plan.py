@@ -118,6 +118,8 @@ def job_spec(
             beta1=opt.betas[0],
             beta2=opt.betas[1],
             eps=opt.eps,
+            trust_coefficient=opt.trust_coefficient,
+            exclude_1d=opt.exclude_1d,
         ),
         lr_schedule=plan.schedule(),
         per_device_batch=plan.per_device_batch,
@@ -131,6 +133,9 @@ def job_spec(
         total_params=layout.total,
         params=[pb.ParamSpec(name=n, shape=s) for n, s in zip(layout.names, layout.shapes, strict=True)],
         chunk_bytes=cfg.transport.chunk_bytes,
+        bucket_bytes=cfg.transport.bucket_bytes,
+        push_dtype=pb.BFLOAT16 if cfg.transport.push_dtype == "bfloat16" else pb.FLOAT32,
+        shared_memory_off=cfg.transport.shared_memory == "off",
         push_timeout_s=cfg.transport.push_timeout_s,
         pull_timeout_s=cfg.transport.pull_timeout_s,
         heartbeat_s=cfg.transport.heartbeat_s,
@@ -138,9 +143,13 @@ def job_spec(
         layer_policies=layer_policies or {},
         prefetch=cfg.memory.prefetch,
         pinned_limit_bytes=parse_bytes(cfg.memory.pinned_limit),
+        offload_params=cfg.memory.offload_params,
         checkpoint_every_steps=cfg.checkpoint.every_steps if checkpoint_dir else 0,
         checkpoint_dir=checkpoint_dir,
         checkpoint_keep=cfg.checkpoint.keep,
         on_nonfinite=cfg.fault.on_nonfinite,
         coordinator_timeout_s=cfg.fault.coordinator_timeout_s,
+        embeddings=[t.to_pb() for t in cfg.table_specs()],  # issue 9: sparse tables, not in the flat vector
+        profile_blocks=list(cfg.memory.blocks),  # issue 10: the master profiles the layers the plan names
+        profile_batches=list(cfg.memory.profile_batches),
     )

@@ -15,15 +15,20 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from pstrain.coordinator.config import JobConfig
+from pstrain.coordinator.config import MAX_BATCH, JobConfig
 from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.plan import Plan, make_plan
 from pstrain.coordinator.probe import ProbeSetup
+from pstrain.nn import seeded_rows
 from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy
 from pstrain.planner.memory_plan import (
+    BatchLimits,
     MemoryBudget,
     MemoryPlan,
     Policy,
+    batch_limits,
+    host_bytes,
+    largest_model,
     max_batch,
     peak_bytes,
     plan_for_batch,
@@ -32,7 +37,8 @@ from pstrain.planner.memory_plan import (
 from pstrain.planner.profiler import ModelProfile, profile_model
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import resolve_loss
-from pstrain.runtime.optimizers import optimizer_entry
+from pstrain.runtime.memory_trend import cgroup_memory_max, mem_available_bytes
+from pstrain.runtime.optimizers import LARGE_BATCH, optimizer_entry
 from pstrain.runtime.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,11 @@ class JobPlan:
     max_batch_with_plan: int = 0
     max_batch_s15: int = 0
     ps_bytes_per_shard: int = 0
+    limits: BatchLimits | None = None  # device-fit, host-fit and which binds, at the job's policy
+    batch_reason: str = ""  # why the chosen batch is what it is
+    warnings: tuple[str, ...] = ()
+    largest_models: tuple[tuple[str, float, int], ...] = ()  # (policy, parameter bytes at batch 1, max batch)
+    data_cap: int = 0  # the largest per-device batch the training set allows (0: not computed)
 
     def layer_policies(self) -> dict[str, str]:
         return self.memory.policies() if self.memory else {}
@@ -67,7 +78,26 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
     return 3 * nbytes / (time.perf_counter() - started)
 
 
-def budget_for(cfg: JobConfig, device_memory: str | None = None, bandwidth: str | None = None) -> MemoryBudget | None:
+def default_host_memory() -> int | None:
+    """This host's memory for the workers' offload: the cgroup's memory.max when set, else MemAvailable."""
+    limit = cgroup_memory_max()
+    return limit if limit is not None else mem_available_bytes()
+
+
+def measure_host_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Host memory copy rate (what a CPU stand-in's "swap" costs): ``--measure-bandwidth`` without a GPU."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    started = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * nbytes / (time.perf_counter() - started)
+
+
+def budget_for(
+    cfg: JobConfig, device_memory: str | None = None, bandwidth: str | None = None, host_memory: str | None = None
+) -> MemoryBudget | None:
     memory = device_memory or cfg.memory.device_memory
     if memory is not None:
         device_bytes = parse_bytes(memory)
@@ -82,7 +112,17 @@ def budget_for(cfg: JobConfig, device_memory: str | None = None, bandwidth: str 
         rate_bytes = measure_bandwidth(torch.device("cuda", 0))
     else:
         rate_bytes = DEFAULT_BANDWIDTH
-    return MemoryBudget(device_bytes, rate_bytes, cfg.memory.margin, cfg.memory.prefetch)
+    host = host_memory or cfg.memory.host_memory
+    return MemoryBudget(
+        device_bytes,
+        rate_bytes,
+        cfg.memory.margin,
+        cfg.memory.prefetch,
+        host_bytes=parse_bytes(host) if host is not None else default_host_memory(),
+        devices_per_host=cfg.cluster.device_count,
+        pinned_limit_bytes=parse_bytes(cfg.memory.pinned_limit),
+        offload_params=cfg.memory.offload_params,
+    )
 
 
 def profile_job(cfg: JobConfig, model: torch.nn.Module, dataset: Dataset) -> ModelProfile:
@@ -93,7 +133,8 @@ def profile_job(cfg: JobConfig, model: torch.nn.Module, dataset: Dataset) -> Mod
         return batch[0], batch[1]
 
     b1, b2 = cfg.memory.profile_batches
-    return profile_model(model, sample, resolve_loss(cfg.loss), (b1, b2), cfg.memory.blocks, "cpu")
+    with seeded_rows(model, cfg.table_specs()):  # issue 9: sparse layers read their batch's rows from the init
+        return profile_model(model, sample, resolve_loss(cfg.loss), (b1, b2), cfg.memory.blocks, "cpu")
 
 
 def plan_job(
@@ -103,47 +144,153 @@ def plan_job(
     total_params: int,
     device_memory: str | None = None,
     bandwidth: str | None = None,
+    host_memory: str | None = None,
 ) -> JobPlan:
-    budget = budget_for(cfg, device_memory, bandwidth)
+    budget = budget_for(cfg, device_memory, bandwidth, host_memory)
     auto = cfg.batch.per_device == "auto"
+    devices = cfg.cluster.workers * cfg.cluster.device_count
+    data_cap = max(1, len(dataset) // devices)  # type: ignore[arg-type]
     if budget is None:
         if auto:
             raise ConfigError(
                 "memory.device_memory: batch.per_device is 'auto' but this host has no GPU to measure; "
                 "give the workers' device memory, e.g. memory.device_memory: 80GiB"
             )
-        return JobPlan(make_plan(cfg), ps_bytes_per_shard=ps_bytes(cfg, total_params))
+        batch, reason = _capped(int(cfg.batch.per_device), data_cap, "set by batch.per_device", len(dataset), devices)  # type: ignore[arg-type]
+        plan = make_plan(cfg, batch)
+        return JobPlan(
+            plan,
+            ps_bytes_per_shard=ps_bytes(cfg, total_params),
+            batch_reason=reason,
+            warnings=_lr_warnings(cfg, plan),
+            data_cap=data_cap,
+        )
     profile = profile_job(cfg, model, dataset)
+    allow_swap = cfg.memory.policy != "keep"
     no_swap = max_batch(profile, budget, allow_swap=False)
     with_plan = max_batch(profile, budget, allow_swap=True)
+    limits = batch_limits(profile, budget, allow_swap, upper=MAX_BATCH)
     if auto:
-        batch = with_plan if cfg.memory.policy != "keep" else no_swap
-        if cfg.batch.max_per_device is not None:
-            batch = min(batch, cfg.batch.max_per_device)
+        batch, reason = limits.both, _memory_reason(limits, budget)
+        if cfg.batch.max_per_device is not None and cfg.batch.max_per_device < batch:
+            batch, reason = cfg.batch.max_per_device, f"batch.max_per_device caps it at {cfg.batch.max_per_device}"
         if batch < 1:
-            raise ConfigError(f"batch.per_device: not even one sample fits in {budget.device_bytes / 2**30:.1f} GiB")
+            raise ConfigError(
+                f"batch.per_device: not even one sample fits ({_memory_reason(limits, budget)}); "
+                "try memory.offload_params: true or a larger memory.host_memory"
+            )
+        batch, reason = _capped(batch, data_cap, reason, len(dataset), devices)  # type: ignore[arg-type]
     else:
-        batch = int(cfg.batch.per_device)
-    memory = plan_for_batch(profile, batch, budget, allow_swap=cfg.memory.policy != "keep")
+        batch, reason = _capped(int(cfg.batch.per_device), data_cap, "set by batch.per_device", len(dataset), devices)  # type: ignore[arg-type]
+    memory = plan_for_batch(profile, batch, budget, allow_swap=allow_swap)
     if cfg.memory.policy == "swap":
         memory = _all_swap(memory, profile, budget)
     if not memory.fits:
-        log.warning("batch %d does not fit in %.1f GiB even with the memory plan", batch, budget.device_bytes / 2**30)
+        log.warning(
+            "batch %d does not fit (device %s, host %s) even with the memory plan",
+            batch,
+            _size(memory.peak_bytes),
+            _size(memory.host_bytes),
+        )
+    plan = make_plan(cfg, batch)
+    warnings = _lr_warnings(cfg, plan)
+    if profile.device == "cpu" and (cfg.memory.device_memory or device_memory or torch.cuda.is_available()):
+        then = (
+            "the master worker's own profile replaces it when its probe reports (memory.probe: true)"
+            if cfg.memory.probe
+            else "set memory.probe: true to re-plan from the master's GPU"
+        )
+        warnings += (
+            "layer times were measured on this host's CPU, not the workers' GPU: the swap/recompute choices "
+            f"rest on the compute/bandwidth ratio; {then}",
+        )
     return JobPlan(
-        make_plan(cfg, batch),
+        plan,
         profile,
         memory,
         no_swap,
         with_plan,
         s15_max_batch(profile, budget.device_bytes),
         ps_bytes(cfg, total_params),
+        limits,
+        reason,
+        warnings,
+        _largest_models(profile, budget),
+        data_cap,
     )
+
+
+def _capped(batch: int, data_cap: int, reason: str, samples: int, devices: int) -> tuple[int, str]:
+    """The global batch never exceeds the training set: one step would otherwise repeat samples."""
+    if batch <= data_cap:
+        return batch, reason
+    message = (
+        f"capped at {data_cap}/device by the training set: {samples} samples over {devices} devices "
+        f"(without the cap {batch}: {reason})"
+    )
+    log.warning("batch.per_device: %s", message)
+    return data_cap, message
+
+
+def _memory_reason(limits: BatchLimits, budget: MemoryBudget) -> str:
+    host = "unlimited" if budget.host_bytes is None else _size(budget.host_bytes)
+    if limits.binding == "host":
+        return f"host memory binds: {host} fits {limits.host}/device, the device would fit {limits.device}"
+    device = _size(budget.device_bytes)
+    return f"device memory binds: {device} fits {limits.device}/device (host {host} would fit {limits.host})"
+
+
+def _lr_warnings(cfg: JobConfig, plan: Plan) -> tuple[str, ...]:
+    entry = optimizer_entry(cfg.optimizer.name)
+    if plan.lr_scaling != "linear" or entry.layerwise or plan.global_batch <= cfg.batch.linear_lr_max_global:
+        return ()
+    message = (
+        f"global batch {plan.global_batch} exceeds batch.linear_lr_max_global {cfg.batch.linear_lr_max_global}: "
+        f"linear LR scaling (lr x {plan.lr_factor:g}) is known to fail there; use optimizer.name: "
+        f"{' or '.join(LARGE_BATCH)} (layer-wise trust ratio, made for large batches) with warmup"
+    )
+    log.warning("%s", message)
+    return (message,)
+
+
+def _largest_models(profile: ModelProfile, budget: MemoryBudget) -> tuple[tuple[str, float, int], ...]:
+    """For each policy: the largest model of this shape that plans at batch 1, and this model's largest batch."""
+    keep = replace(budget, offload_params=False)
+    offload = replace(budget, offload_params=True)
+    return (
+        ("keep", largest_model(profile, keep, False), max_batch(profile, keep, False)),
+        ("swap activations", largest_model(profile, keep, True), max_batch(profile, keep, True)),
+        ("whole-layer offload", largest_model(profile, offload, True), max_batch(profile, offload, True)),
+    )
+
+
+WORKER_RUNTIME_BYTES = 2 << 30
+"""A worker process's own memory besides the plan's buffers: Python, torch, CUDA context, data loading."""
+PS_RUNTIME_BYTES = 1 << 30
+"""A PS process's own memory besides its shard: Python, torch, gRPC buffers in flight."""
+
+
+def memory_max(cfg: JobConfig, job: JobPlan, total_params: int) -> dict[str, int]:
+    """systemd ``MemoryMax`` for a worker and a PS unit (S2.2 mode a on the plan's estimate): ``ansible/``
+    renders them as drop-ins. The worker's is its host's offload memory (swapped activations, offloaded
+    layers, pinned buffers of all its devices, its own sum buffers); the PS's is its largest shard."""
+    host = job.memory.host_bytes if job.memory is not None else (job.plan.devices_per_worker + 2) * total_params * 4
+    factor = cfg.memory.factor
+    return {
+        "worker_bytes": int(host * factor) + WORKER_RUNTIME_BYTES,
+        "ps_bytes": int(job.ps_bytes_per_shard * factor) + PS_RUNTIME_BYTES,
+    }
 
 
 def _all_swap(memory: MemoryPlan, profile: ModelProfile, budget: MemoryBudget) -> MemoryPlan:
     decisions = tuple(replace(d, policy=Policy.SWAP) if d.saved_bytes > 0 else d for d in memory.decisions)
     policies = {d.name: d.policy for d in decisions}
-    return replace(memory, decisions=decisions, peak_bytes=peak_bytes(profile, memory.batch, policies, budget))
+    return replace(
+        memory,
+        decisions=decisions,
+        peak_bytes=peak_bytes(profile, memory.batch, policies, budget),
+        host_bytes=host_bytes(profile, memory.batch, policies, budget),
+    )
 
 
 def ps_bytes(cfg: JobConfig, total_params: int) -> int:
@@ -180,7 +327,25 @@ def describe(job: JobPlan) -> str:
             f"estimated worker memory: {_size(mem.peak_bytes)} per device, "
             f"{_size(sum(d.saved_bytes for d in mem.decisions if d.policy == Policy.SWAP))} of host memory "
             "per device for swapped activations",
+            f"host memory at batch {mem.batch}: {_size(mem.host_bytes)} for {budget.devices_per_host} device(s) "
+            f"and the worker's buffers, of {'unlimited' if budget.host_bytes is None else _size(budget.host_bytes)} "
+            f"({'fits' if mem.fits_host else 'DOES NOT FIT'}); pinned up to {_size(budget.pinned_limit_bytes)} "
+            f"per device, pageable past it; whole-layer offload {'on' if budget.offload_params else 'off'}",
         ]
+        if job.limits is not None:
+            lim = job.limits
+
+            def upto(n: int) -> str:
+                return f">= {n} (the search's cap)" if n >= MAX_BATCH else str(n)
+
+            lines.append(
+                f"largest batch: device-fit {upto(lim.device)}, host-fit {upto(lim.host)}, both {upto(lim.both)}; "
+                f"binds: {lim.binding}"
+            )
+        for policy, model_bytes, batch in job.largest_models:
+            lines.append(
+                f"  {policy:<20} largest model {_size(model_bytes)} of parameters; this model's max batch {batch}"
+            )
     else:
         lines.append("no memory plan: no device memory given (memory.device_memory) and no GPU on this host")
     p = job.plan
@@ -189,6 +354,9 @@ def describe(job: JobPlan) -> str:
         f"lr {p.base_lr:g} x {p.lr_factor:g} ({p.lr_scaling}) = {p.scaled_lr:g}",
         f"estimated PS memory: {_size(job.ps_bytes_per_shard)} per shard",
     ]
+    if job.batch_reason:
+        lines.append(f"batch: {job.batch_reason}")
+    lines += [f"WARNING: {w}" for w in job.warnings]
     return "\n".join(lines)
 
 
@@ -200,26 +368,97 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.1f} TiB"
 
 
+class ProbePlanner:
+    """The coordinator's plan while the master probes: from its own profile, then from the master's (issue 10).
+
+    The plan first rests on the profile the coordinator measured on its own host (usually a CPU), whose
+    compute/bandwidth ratio is not the workers'. The master's first probe report carries the planner's
+    profile measured on its device; ``adopt`` re-plans from it (swap/recompute decisions and, for
+    ``batch.per_device: auto``, the batch), every later re-plan (a probe that overflowed) uses it too,
+    and each spec says in ``memory_profile`` which profile it was made from.
+    """
+
+    def __init__(
+        self, cfg: JobConfig, job_plan: JobPlan, spec_for: Callable[[Plan, dict[str, str]], pb.JobSpec]
+    ) -> None:
+        self.cfg = cfg
+        self.job_plan = job_plan
+        self.spec_for = spec_for
+        self.profile = job_plan.profile
+        self.budget = job_plan.memory.budget if job_plan.memory is not None else None
+        self.source = ""  # "" while the coordinator's own profile is in use
+
+    def replan(self, batch: int) -> tuple[Plan, pb.JobSpec]:
+        plan = make_plan(self.cfg, batch)
+        policies: dict[str, str] = {}
+        if self.profile is not None and self.budget is not None:
+            policies = _memory_for(self.cfg, self.profile, batch, self.budget).policies()
+        spec = self.spec_for(plan, policies)
+        spec.memory_profile = self.source
+        return plan, spec
+
+    def adopt(self, profile: ModelProfile, worker_id: int = 0) -> tuple[Plan, pb.JobSpec, int | None] | None:
+        """Re-plan from ``profile`` (measured on the master's device); None when there is nothing to plan with.
+
+        Returns the plan, its spec and the device budget in bytes. Without a budget of its own (no
+        ``memory.device_memory``, no GPU on the coordinator) the coordinator takes the device's size from
+        the profile; a CPU stand-in's profile has none, and then only a budget from the job file plans.
+        """
+        cfg = self.cfg
+        budget = self.budget
+        if budget is None and profile.device_total_bytes > 0:
+            budget = budget_for(cfg, device_memory=str(profile.device_total_bytes))
+        if budget is None:
+            log.info("the master's %s profile arrived, but there is no device budget to plan with", profile.device)
+            return None
+        self.profile, self.budget = profile, budget
+        self.source = f"{profile.device} on worker {worker_id} (probe)"
+        batch, reason = self.job_plan.plan.per_device_batch, "batch.per_device"
+        if cfg.batch.per_device == "auto":
+            limits = batch_limits(profile, budget, cfg.memory.policy != "keep", upper=MAX_BATCH)
+            batch, reason = limits.both, _memory_reason(limits, budget)
+            if cfg.batch.max_per_device is not None and cfg.batch.max_per_device < batch:
+                batch, reason = cfg.batch.max_per_device, "batch.max_per_device caps it"
+            if self.job_plan.data_cap and batch > self.job_plan.data_cap:
+                batch, reason = self.job_plan.data_cap, f"capped at {self.job_plan.data_cap}/device by the training set"
+            batch = max(1, batch)
+        plan, spec = self.replan(batch)
+        log.info(
+            "memory plan re-made from the %s profile (was: the coordinator's %s profile): batch %d (%s), %s",
+            self.source,
+            self.job_plan.profile.device if self.job_plan.profile is not None else "no",
+            batch,
+            reason,
+            ", ".join(f"{k}={v}" for k, v in sorted(spec.layer_policies.items())) or "every layer kept",
+        )
+        return plan, spec, budget.device_bytes
+
+
+def _memory_for(cfg: JobConfig, profile: ModelProfile, batch: int, budget: MemoryBudget) -> MemoryPlan:
+    memory = plan_for_batch(profile, batch, budget, allow_swap=cfg.memory.policy != "keep")
+    return _all_swap(memory, profile, budget) if cfg.memory.policy == "swap" else memory
+
+
 def probe_setup(
     cfg: JobConfig, job_plan: JobPlan, spec_for: Callable[[Plan, dict[str, str]], pb.JobSpec]
 ) -> ProbeSetup | None:
     """How the coordinator judges the master's probe; None when ``memory.probe`` is off."""
     if not cfg.memory.probe:
         return None
-    memory = job_plan.memory
-
-    def replan(batch: int) -> tuple[Plan, pb.JobSpec]:
-        plan = make_plan(cfg, batch)
-        policies: dict[str, str] = {}
-        if job_plan.profile is not None and memory is not None:
-            policies = plan_for_batch(job_plan.profile, batch, memory.budget, cfg.memory.policy != "keep").policies()
-        return plan, spec_for(plan, policies)
-
+    planner = ProbePlanner(cfg, job_plan, spec_for)
     policy = EstimatePolicy(
         EstimateMode(cfg.memory.estimate),
         cfg.memory.factor,
         parse_bytes(cfg.memory.increment),
         cfg.memory.target_utilization,
     )
-    device_bytes = memory.budget.device_bytes if memory is not None else None
-    return ProbeSetup(device_bytes, cfg.memory.margin, policy, replan, cfg.memory.max_probe_rounds)
+    device_bytes = planner.budget.device_bytes if planner.budget is not None else None
+    return ProbeSetup(
+        device_bytes,
+        cfg.memory.margin,
+        policy,
+        planner.replan,
+        cfg.memory.max_probe_rounds,
+        adopt=planner.adopt,
+        policies=job_plan.layer_policies(),
+    )

@@ -2,6 +2,9 @@
 
 Worker 0 runs one real iteration and reports its peak memory; each report gets one judgement:
 
+* the first report carries the master's per-layer profile measured on its device (issue 10): the
+  plan is re-made from it (``adopt``); if that changes the batch or a layer's policy, the iteration
+  just measured ran under the old plan, so the master probes again under the new one;
 * the peak overflows the device budget (and ran under no limit): shrink the batch in proportion,
   re-plan, and probe again at the smaller batch, at most ``max_rounds`` times (then fail);
 * iterative estimation (S2.2c): run trials under a raised limit until utilisation is at most the
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from pstrain.coordinator.errors import ProbeFailed
 from pstrain.coordinator.plan import Plan
@@ -28,6 +31,7 @@ from pstrain.planner.memory_estimate import (
     estimate,
     shrunk_batch,
 )
+from pstrain.planner.profiler import ModelProfile
 from pstrain.protos import pstrain_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,9 @@ class ProbeSetup:
     policy: EstimatePolicy
     replan: Callable[[int], tuple[Plan, pb.JobSpec]]  # a smaller batch -> its plan and spec
     max_rounds: int = 4
+    # issue 10: the master's device profile -> its plan, spec and device budget (None: nothing to plan with)
+    adopt: Callable[[ModelProfile, int], tuple[Plan, pb.JobSpec, int | None] | None] | None = None
+    policies: dict[str, str] = field(default_factory=dict)  # the initial plan's layer policies
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,42 @@ class ProbeSession:
         self.worker_device_bytes = 0  # S2.2 estimates, once accepted
         self.worker_host_bytes = 0
         self._iterative: IterativeEstimate | None = None
+        self.device_bytes = setup.device_bytes
+        self.policies = dict(setup.policies)
+        self.profile_source = ""  # where the plan's profile was measured, once the master's is adopted
 
     def judge(self, probe: Probe) -> Judgement:
-        """Shrink and re-plan, run an iterative trial, or accept; raise ``ProbeFailed`` after too many rounds."""
+        """Re-plan from the master's profile, shrink and re-plan, run an iterative trial, or accept.
+
+        Raises ``ProbeFailed`` after too many rounds.
+        """
         if self.done:
             raise ProbeFailed("the probe was already accepted")
-        setup = self.setup
+        adopted: tuple[Plan, pb.JobSpec] | None = None
+        if probe.profile is not None and self.setup.adopt is not None and not self.profile_source:
+            made = self.setup.adopt(probe.profile, 0)
+            if made is not None:
+                plan, spec, self.device_bytes = made
+                self.profile_source = spec.memory_profile
+                adopted = (plan, spec)
+                policies = dict(spec.layer_policies)
+                if (spec.per_device_batch, policies) != (probe.batch, self.policies):
+                    self.policies = policies
+                    message = (
+                        f"re-planned from the {self.profile_source} profile: batch {spec.per_device_batch}, "
+                        f"{len(policies)} layer(s) swapped or recomputed; probing again"
+                    )
+                    log.info("%s", message)
+                    return Judgement(False, 0, message, replanned=adopted)
+        judgement = self._judge_peak(probe)
+        if adopted is not None and judgement.replanned is None:  # the spec now names the profile it came from
+            judgement = replace(judgement, replanned=adopted)
+        if judgement.replanned is not None:
+            self.policies = dict(judgement.replanned[1].layer_policies)
+        return judgement
+
+    def _judge_peak(self, probe: Probe) -> Judgement:
+        setup = replace(self.setup, device_bytes=self.device_bytes)
         log.info(
             "probe at batch %d: device peak %d B, host peak %d B",
             probe.batch,

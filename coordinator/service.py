@@ -1,23 +1,34 @@
 """gRPC adapter for the Job: translate messages, call the job, map errors to status codes.
 
 The only place in the coordinator where protobuf messages become the core's dataclasses and back.
+
+Identity (issue 8): with a ``MemberRegistry`` every registration hands out a credential and every
+call made for a member must carry that member's current one (``runtime/identity.py``); the
+servicer checks it before the job sees the call. ``pstrain-coordinator`` always passes a registry;
+without one (tests of the job over gRPC) calls are not bound to identities.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
+from pstrain.coordinator.initial_tables import initial_row_blocks
 from pstrain.coordinator.job import Directive, Job, JobStatusView
 from pstrain.coordinator.ledger import Progress, StepReport
 from pstrain.coordinator.probe import ProbeReport
+from pstrain.coordinator.report_checks import check_step_report
 from pstrain.planner.memory_estimate import Probe
+from pstrain.planner.profile_wire import profile_from_pb
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks
-from pstrain.runtime.transport import abort_on_errors
+from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks, wire_dtype
+from pstrain.runtime.admission import Overloaded, checked_tensor_stream
+from pstrain.runtime.identity import MemberRegistry, NotIssued, PermissionDenied
+from pstrain.runtime.security import TransportSecurity
+from pstrain.runtime.transport import abort_on_errors, open_channel
 
 translate = abort_on_errors(
     {
@@ -27,10 +38,31 @@ translate = abort_on_errors(
         WrongState: grpc.StatusCode.FAILED_PRECONDITION,
         AlreadyRegistered: grpc.StatusCode.ALREADY_EXISTS,
         NoFreeSlot: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+        NotIssued: grpc.StatusCode.NOT_FOUND,
+        Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 
 DEFAULT_CLUSTER_WAIT_S = 600.0
+REACHABLE_TIMEOUT_S = 2.0
+
+
+def address_answers(security: TransportSecurity) -> Callable[[str], bool]:
+    """Whether a worker still answers at its address (S2.5). Only UNAVAILABLE counts as gone: a crashed
+    process refuses the connection at once; a slow answer (a loaded host) or a refusal is a live worker."""
+
+    def answers(address: str) -> bool:
+        channel = open_channel(address, security)
+        try:
+            pb_grpc.WorkerStub(channel).GetWorkerStatus(pb.WorkerStatusRequest(), timeout=REACHABLE_TIMEOUT_S)
+            return True
+        except grpc.RpcError as exc:
+            return exc.code() != grpc.StatusCode.UNAVAILABLE
+        finally:
+            channel.close()
+
+    return answers
 
 
 def _directive(d: Directive) -> pb.Directive:
@@ -38,7 +70,10 @@ def _directive(d: Directive) -> pb.Directive:
 
 
 def _probe_report(m: pb.ProbeReport) -> ProbeReport:
-    return ProbeReport(m.worker_id, Probe(m.per_device_batch, m.device_peak_bytes, m.host_peak_bytes, m.limit_bytes))
+    profile = profile_from_pb(m.profile) if m.HasField("profile") else None  # issue 10: the master's own profile
+    return ProbeReport(
+        m.worker_id, Probe(m.per_device_batch, m.device_peak_bytes, m.host_peak_bytes, m.limit_bytes, profile)
+    )
 
 
 def _step_report(m: pb.StepReport) -> StepReport:
@@ -97,29 +132,62 @@ def _job_status(s: JobStatusView) -> pb.JobStatus:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, registry: MemberRegistry | None = None) -> None:
         self.job = job
+        self.registry = registry
+
+    def _require(self, context: grpc.ServicerContext, role: str, member_id: int) -> None:
+        """The call carries the current credential of ``role`` ``member_id`` (issue 8)."""
+        if self.registry is not None:
+            self.registry.require(context.invocation_metadata(), role, member_id)
+
+    def _credential(self, role: str, member_id: int) -> str:
+        if self.registry is None:
+            return ""
+        credential = self.registry.issue(role, member_id)
+        self.job.credential_issued(role, member_id, credential.incarnation)  # journaled: a restart accepts it again
+        return credential.encode()
 
     @translate
     def RegisterParameterServer(
         self, request: pb.RegisterPsRequest, context: grpc.ServicerContext
     ) -> pb.RegisterPsReply:
         r = self.job.register_ps(request.shard_id, request.address, request.metrics_address)
-        return pb.RegisterPsReply(job=self.job.spec, start=r.start, end=r.end, resume_step=self.job.resume_step)
+        return pb.RegisterPsReply(
+            job=self.job.spec,
+            start=r.start,
+            end=r.end,
+            resume_step=self.job.resume_step,
+            member_credential=self._credential("ps", request.shard_id),
+            job_key=self.registry.keys.job_key if self.registry is not None else b"",  # verifies pushes and pulls
+        )
 
     @translate
     def FetchInitialParameters(
         self, request: pb.InitialParametersRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TensorChunk]:
+        self._require(context, "ps", request.shard_id)
         yield from encode_chunks(self.job.initial_parameters(request.shard_id), self.job.spec.chunk_bytes)
 
     @translate
+    def FetchInitialRows(
+        self, request: pb.InitialParametersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.RowBlock]:
+        """Issue 9: the rows of ``model.init_checkpoint``'s tables that shard ``shard_id`` owns (none without one)."""
+        self._require(context, "ps", request.shard_id)
+        if not 0 <= request.shard_id < self.job.spec.ps_shards:
+            raise InvalidRequest(f"unknown PS shard {request.shard_id}: this job has {self.job.spec.ps_shards}")
+        yield from initial_row_blocks(self.job.model.tables, request.shard_id, self.job.spec.ps_shards)
+
+    @translate
     def ParameterServerReady(self, request: pb.PsReadyRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self._require(context, "ps", request.shard_id)
         self.job.ps_ready(request.shard_id)
         return pb.Empty()
 
     @translate
     def ReportCheckpoint(self, request: pb.CheckpointWritten, context: grpc.ServicerContext) -> pb.CheckpointAck:
+        self._require(context, "ps", request.shard_id)
         self.job.checkpoint_written(request.shard_id, request.step)
         return pb.CheckpointAck(committed_step=self.job.checkpoint_step)
 
@@ -130,10 +198,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         worker_id = self.job.register_worker(
             request.address, list(request.devices), request.hostname, request.metrics_address
         )
-        return pb.RegisterWorkerReply(worker_id=worker_id, job=self.job.spec)
+        slot = self.job.worker_slot(worker_id)
+        return pb.RegisterWorkerReply(
+            worker_id=worker_id,
+            job=self.job.spec,
+            replacement=slot.replacement,
+            devices=slot.devices,
+            device_memory_bytes=slot.device_memory_bytes,
+            host_memory_bytes=slot.host_memory_bytes,
+            start_step=slot.start_step,
+            member_credential=self._credential("worker", worker_id),
+        )
+
+    @translate
+    def RejoinAt(self, request: pb.RejoinRequest, context: grpc.ServicerContext) -> pb.Directive:
+        self._require(context, "worker", request.worker_id)
+        return _directive(self.job.rejoin_at(request.worker_id, request.step, request.inconsistent))
 
     @translate
     def WaitForCluster(self, request: pb.WaitForClusterRequest, context: grpc.ServicerContext) -> pb.ClusterView:
+        if request.worker_id >= 0:
+            self._require(context, "worker", request.worker_id)
         remaining = context.time_remaining()
         timeout = DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining
         view = self.job.wait_for_cluster(timeout, request.worker_id)
@@ -141,6 +226,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @translate
     def ReportProbe(self, request: pb.ProbeReport, context: grpc.ServicerContext) -> pb.ProbeVerdict:
+        self._require(context, "worker", request.worker_id)
         outcome = self.job.report_probe(_probe_report(request))
         return pb.ProbeVerdict(
             done=outcome.done, job=outcome.spec, limit_bytes=outcome.limit_bytes, message=outcome.message
@@ -148,25 +234,36 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @translate
     def RequestDataShard(self, request: pb.DataShardRequest, context: grpc.ServicerContext) -> pb.DataShard:
-        data_shard = self.job.request_data_shard(request.worker_id)
+        self._require(context, "worker", request.worker_id)
+        data_shard = self.job.request_data_shard(request.worker_id, request.request_seq)
         return pb.DataShard(data_shard_id=data_shard.data_shard_id, epoch=data_shard.epoch, indices=data_shard.indices)
 
     @translate
     def CompleteDataShard(self, request: pb.CompleteDataShardRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self._require(context, "worker", request.worker_id)
         self.job.complete_data_shard(request.worker_id, request.data_shard_id)
         return pb.Empty()
 
     @translate
     def ReportStep(self, request: pb.StepReport, context: grpc.ServicerContext) -> pb.Directive:
-        return _directive(self.job.report_step(_step_report(request)))
+        self._require(context, "worker", request.worker_id)
+        report = _step_report(request)
+        check_step_report(report, self.job.plan.per_device_batch * self.job.plan.devices_per_worker)
+        return _directive(self.job.report_step(report))
 
     @translate
     def UploadBuffers(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Empty:
-        self.job.upload_buffers(decode_named_tensors(request_iterator))
+        if self.registry is not None:
+            self.registry.require_any(context.invocation_metadata(), "worker")
+        # Every announced name, dtype and shape is checked against the model before anything is allocated.
+        expected = {n: (wire_dtype(b.dtype), tuple(b.shape)) for n, b in self.job.model.model.named_buffers()}
+        self.job.upload_buffers(decode_named_tensors(checked_tensor_stream(request_iterator, expected)))
         return pb.Empty()
 
     @translate
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.Directive:
+        if request.role in ("ps", "worker"):  # another role is the job's to refuse (INVALID_ARGUMENT)
+            self._require(context, request.role, request.id)
         return _directive(self.job.heartbeat(request.role, request.id, request.rss_bytes))
 
     @translate

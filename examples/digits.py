@@ -33,7 +33,8 @@ def train_set(seed: int = 0, holdout: float = 0.2) -> TensorDataset:
 
 def evaluate(model: nn.Module, seed: int = 0, holdout: float = 0.2) -> dict[str, float]:
     x, y = _split(seed, holdout)[1].tensors
-    logits = model(x)
+    with torch.no_grad():
+        logits = model(x)
     return {
         "heldout_accuracy": float((logits.argmax(dim=1) == y).float().mean()),
         "heldout_loss": float(nn.functional.cross_entropy(logits, y)),

@@ -20,12 +20,23 @@ import torch
 
 from pstrain.coordinator.config import JobConfig, load_config
 from pstrain.coordinator.errors import ConfigError
-from pstrain.coordinator.plan import make_plan
-from pstrain.coordinator.planning import describe, plan_job
+from pstrain.coordinator.plan import job_spec, make_plan
+from pstrain.coordinator.planning import (
+    describe,
+    measure_bandwidth,
+    measure_host_bandwidth,
+    memory_max,
+    plan_job,
+    profile_job,
+)
 from pstrain.coordinator.preflight import named, preflight
 from pstrain.launcher.local_cluster import LocalCluster, RestartPolicy, last_metrics, run_local, user_code_paths
+from pstrain.planner.bucket_plan import NETWORK_BYTES_S, CommModel, choose_bucket_bytes, layers_of, measure_update_rate
+from pstrain.planner.bucket_plan import describe as describe_buckets
 from pstrain.runtime.atomic_io import atomic_write
 from pstrain.runtime.factories import FactoryError, build_model, describe_exception, import_callable
+from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.units import parse_bytes
 from pstrain.worker.devices import DeviceError, resolve_devices
 
 PROCESSES_PER_CPU = 4
@@ -150,12 +161,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         checked = preflight(cfg)
         model = checked.model
-        job_plan = plan_job(cfg, model.model, checked.dataset, model.layout.total, args.device_memory, args.bandwidth)
+        bandwidth = args.bandwidth
+        if args.measure_bandwidth:
+            rate = measure_bandwidth(torch.device("cuda", 0)) if torch.cuda.is_available() else measure_host_bandwidth()
+            where = "pinned host -> GPU 0" if torch.cuda.is_available() else "host memory copy (no GPU)"
+            print(f"memory.bandwidth measured: {rate / 1e9:.1f}GB/s ({where}); put it in the job file to reuse it")
+            bandwidth = f"{rate / 1e9:.3f}GB/s"
+        job_plan = plan_job(
+            cfg, model.model, checked.dataset, model.layout.total, args.device_memory, bandwidth, args.host_memory
+        )
     except (ConfigError, ValueError) as exc:
         print(f"pstrain plan: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(describe(job_plan))
+    print(bucket_plan_text(cfg, model.model, checked.dataset, args.network_bandwidth))  # S4.2
+    if args.memory_max_json:  # issue 10: what ansible's pstrain_memory_max role applies as systemd MemoryMax
+        estimates = memory_max(cfg, job_plan, model.layout.total)
+        Path(args.memory_max_json).write_text(json.dumps(estimates) + "\n")
+        print(f"MemoryMax estimates: worker {estimates['worker_bytes']} B, PS {estimates['ps_bytes']} B")
     return 0
+
+
+def bucket_plan_text(cfg: JobConfig, model: torch.nn.Module, dataset: object, network: str | None) -> str:
+    """S4.2: the bucket size that hides the most communication behind backward, from a profile of one step
+    (backward time per layer) and a timed step of the shards' optimizer."""
+    spec = job_spec(cfg, make_plan(cfg, 1), ParamLayout.of(model), "plan")
+    comm = CommModel(
+        network_bytes_s=parse_bytes(network) if network else NETWORK_BYTES_S,
+        update_bytes_s=measure_update_rate(spec.optimizer),
+        workers=cfg.cluster.workers,
+        ps_shards=cfg.cluster.ps_shards,
+        push_ratio=0.5 if cfg.transport.push_dtype == "bfloat16" else 1.0,
+    )
+    layers = layers_of(profile_job(cfg, model, dataset))  # type: ignore[arg-type]
+    return describe_buckets(choose_bucket_bytes(layers, comm), comm)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help="job file (YAML)")
     plan.add_argument("--device-memory", help="plan for this much device memory, e.g. 80GiB (default: the job file)")
     plan.add_argument("--bandwidth", help="device<->host bandwidth, e.g. 25GB/s (default: the job file)")
+    plan.add_argument("--host-memory", help="host memory for offload per host, e.g. 64GiB (default: the job file)")
+    plan.add_argument(
+        "--measure-bandwidth", action="store_true", help="measure memory.bandwidth on this host and plan with it"
+    )
+    plan.add_argument(
+        "--network-bandwidth", help="worker<->PS link for the bucket plan, e.g. 1.25GB/s (default: 10 Gb/s)"
+    )
+    plan.add_argument("--memory-max-json", help="write the worker and PS MemoryMax estimates (bytes) to this file")
     plan.set_defaults(func=cmd_plan)
     return parser
 

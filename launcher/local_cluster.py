@@ -3,7 +3,13 @@
 The launcher starts the coordinator, waits for its port file, starts the PS shards and the
 workers (each binds a free port and registers itself), follows progress over the
 coordinator's WatchProgress stream, and tears everything down when the job ends, when any
-process dies, or on Ctrl-C. Children live in their own session (the terminal's Ctrl-C
+process but a worker dies, or on Ctrl-C. A dead worker is restarted alone (S2.5, with
+``fault.replace_timeout_s`` > 0): it replaces itself in its slot while the step waits for it.
+A coordinator killed by a signal is restarted alone on its address (``--recover auto``): it takes
+the job back from its journal while the PS shards and workers ride out the outage, and the
+progress stream reconnects from the next step. A whole-cluster (re)start passes ``--recover
+never``: its members are new processes, so the job resumes from the last committed checkpoint.
+Children live in their own session (the terminal's Ctrl-C
 reaches only the launcher, which drains them in order) and get SIGKILL if the launcher
 itself is killed (PR_SET_PDEATHSIG), so no process outlives it.
 """
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import grpc
 from tqdm import tqdm
 
 from pstrain.coordinator.config import JobConfig
@@ -79,6 +86,48 @@ class RestartPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
 
+@dataclass(frozen=True)
+class Supervision:
+    """What to do about the children that died at one look: restart the cluster (``cluster``: the
+    death that explains it, name and exit code), or restart each of ``alone`` by itself."""
+
+    cluster: tuple[str, int] | None
+    alone: tuple[tuple[str, int], ...] = ()
+
+
+def supervise(
+    dead: list[tuple[str, int]],
+    replaces_workers: bool,
+    max_restarts: int,
+    worker_restarts: dict[str, int],
+    coordinator_restarts: int,
+) -> Supervision:
+    """The restart decision for the children seen dead together (name, exit code), without side effects.
+
+    A worker is restarted alone (S2.5) unless it exited 2 or 3 or used up ``max_restarts``; the
+    coordinator alone when a signal killed it (it takes the job back from its journal). Any other
+    death restarts the whole cluster, and then nobody is restarted alone: the whole-cluster restart
+    starts everyone anew. Deaths seen together are often one fault and its echoes (a PS shard killed,
+    and a member that lost it and exited); the restart is decided by a death a restart can mend,
+    so an echo that exited 2 or 3 does not end a job a cluster restart would save.
+    """
+    alone: list[tuple[str, int]] = []
+    others: list[tuple[str, int]] = []
+    for name, code in dead:
+        coordinator_alone = name == "coordinator" and code < 0 and coordinator_restarts < max_restarts
+        worker_alone = (
+            name.startswith("worker")
+            and replaces_workers
+            and code not in RestartPolicy.NOT_RETRIED
+            and worker_restarts.get(name, 0) < max_restarts
+        )
+        (alone if coordinator_alone or worker_alone else others).append((name, code))
+    if not others:
+        return Supervision(None, tuple(alone))
+    mendable = [death for death in others if death[1] not in RestartPolicy.NOT_RETRIED]
+    return Supervision((mendable or others)[0])
+
+
 def free_port() -> int:
     """A port nothing listens on now; the coordinator binds it a moment later (SO_REUSEADDR)."""
     with socket.socket() as sock:
@@ -116,6 +165,10 @@ class LocalCluster:
     grace_s: float = 10.0
     processes: list[ManagedProcess] = field(default_factory=list)
     coordinator_address: str = ""
+    worker_restarts: dict[str, int] = field(default_factory=dict)  # per worker process, over the whole run
+    coordinator_restarts: int = 0  # the coordinator restarted alone (taking the job back from its journal)
+    _member_args: list[str] = field(default_factory=list)
+    _coordinator_args: list[str] = field(default_factory=list)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -156,11 +209,13 @@ class LocalCluster:
         args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s)]
         if self.steps is not None:
             args += ["--steps", str(self.steps)]
+        self._coordinator_args = [*args, "--recover", "auto"]  # a restart of the coordinator alone
         if self.fresh:
             args.append("--fresh")
             self.fresh = False
-        coordinator = self._spawn("coordinator", "pstrain.coordinator", args)
+        coordinator = self._spawn("coordinator", "pstrain.coordinator", [*args, "--recover", "never"])
         common = ["--coordinator", self.coordinator_address, "--bind", "127.0.0.1:0", "--grace-s", str(self.grace_s)]
+        self._member_args = common
         for shard_id in range(self.cfg.cluster.ps_shards):
             self._spawn(f"ps-{shard_id}", "pstrain.ps_server", [*common, "--shard-id", str(shard_id)])
         for index in range(self.cfg.cluster.workers):
@@ -182,6 +237,56 @@ class LocalCluster:
             if code not in (None, 0):
                 raise ProcessDied(proc.name, code, proc.tail())
 
+    def _replaces_workers(self) -> bool:
+        return self.cfg.fault.replace_timeout_s > 0
+
+    def _supervise(self) -> None:
+        """Act on the children that died since the last look (``supervise``): restart a worker or the
+        coordinator alone, or raise ``ProcessDied`` for the cluster restart (or the end)."""
+        dead = [(proc.name, code) for proc in self.processes if (code := proc.popen.poll()) not in (None, 0)]
+        if not dead:
+            return
+        decision = supervise(
+            dead,
+            self._replaces_workers(),
+            self.cfg.fault.max_restarts,
+            self.worker_restarts,
+            self.coordinator_restarts,
+        )
+        by_name = {proc.name: proc for proc in self.processes}
+        if decision.cluster is not None:
+            name, code = decision.cluster
+            raise ProcessDied(name, code, by_name[name].tail())
+        for name, code in decision.alone:
+            proc = by_name[name]
+            if name == "coordinator":
+                self._restart_coordinator(proc, code)
+                continue
+            restarts = self.worker_restarts.get(name, 0)
+            self.worker_restarts[name] = restarts + 1
+            print(
+                f"pstrain local: {name} exited with code {code}; restarting it alone to take its slot back "
+                f"(restart {restarts + 1} of {self.cfg.fault.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.processes.remove(proc)
+            proc.log_file.close()
+            self._spawn(name, "pstrain.worker", self._member_args)
+
+    def _restart_coordinator(self, proc: ManagedProcess, code: int) -> None:
+        """The coordinator was killed: start it again alone, on its address; it takes the job back."""
+        self.coordinator_restarts += 1
+        print(
+            f"pstrain local: the coordinator was killed (signal {-code}); restarting it alone to take the job back "
+            f"from its journal (restart {self.coordinator_restarts} of {self.cfg.fault.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.processes.remove(proc)
+        proc.log_file.close()
+        self._spawn("coordinator", "pstrain.coordinator", self._coordinator_args)
+
     def run(self) -> int:
         """Follow the job to its end; returns the number of steps recorded."""
         steps = self.steps or self.cfg.job.steps
@@ -195,20 +300,32 @@ class LocalCluster:
         bar = tqdm(total=steps, unit="step", dynamic_ncols=True, disable=None)
 
         def follow() -> None:
+            next_step = 0
             try:
-                for event in stub.WatchProgress(pb.WatchProgressRequest(), timeout=7 * 24 * 3600):
-                    if event.state in (pb.FINISHED, pb.FAILED) and event.global_batch == 0:
-                        final.append(event)
+                while True:
+                    try:
+                        for event in stub.WatchProgress(
+                            pb.WatchProgressRequest(from_step=next_step), timeout=7 * 24 * 3600, wait_for_ready=True
+                        ):
+                            if event.state in (pb.FINISHED, pb.FAILED) and event.global_batch == 0:
+                                final.append(event)
+                                return
+                            next_step = event.step + 1
+                            bar.update(1)
+                            bar.set_postfix(
+                                loss=f"{event.loss:.4f}", lr=f"{event.lr:.3g}", samples_s=f"{event.samples_per_s:.0f}"
+                            )
+                            if bar.disable and (event.step + 1) % max(1, steps // 10) == 0:
+                                print(
+                                    f"step {event.step + 1}/{steps} loss {event.loss:.4f} "
+                                    f"{event.samples_per_s:.0f} samples/s",
+                                    flush=True,
+                                )
                         return
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{event.loss:.4f}", lr=f"{event.lr:.3g}", samples_s=f"{event.samples_per_s:.0f}"
-                    )
-                    if bar.disable and (event.step + 1) % max(1, steps // 10) == 0:
-                        print(
-                            f"step {event.step + 1}/{steps} loss {event.loss:.4f} {event.samples_per_s:.0f} samples/s",
-                            flush=True,
-                        )
+                    except grpc.RpcError as exc:
+                        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        time.sleep(0.2)  # the coordinator is restarting: follow it again from the next step
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 watcher_error.append(exc)
 
@@ -216,8 +333,9 @@ class LocalCluster:
         watcher.start()
         try:
             while True:
-                self._raise_if_dead()
-                if not watcher.is_alive() and all(p.popen.poll() is not None for p in self.processes):
+                self._supervise()
+                if all(p.popen.poll() is not None for p in self.processes):
+                    watcher.join(timeout=5.0)  # the last events, if the stream still brings them
                     break
                 watcher.join(timeout=0.2)
         finally:

@@ -19,6 +19,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from pstrain.planner.profiler import ModelProfile
+
 
 class EstimateMode(str, enum.Enum):
     FACTOR = "factor"
@@ -41,6 +43,7 @@ class Probe:
     device_peak_bytes: int
     host_peak_bytes: int
     limit_bytes: int = 0  # the cap of an iterative trial
+    profile: ModelProfile | None = None  # issue 10: the master's per-layer profile on its device (first probe)
 
     @property
     def utilization(self) -> float:

@@ -9,6 +9,25 @@ Memory model of one training step at per-device batch B (bytes on the device):
     temporary  gradient buffers in flight in backward: about twice the largest layer output
     peak = (resident + kept + swapped + recompute + temporary) / (1 - margin)
 
+Whole-layer offload (S1.4 in full, ``offload_params``): parameters and gradients leave the
+device too, so "resident" becomes the layers in flight: the running layer's parameters plus the
+prefetch window's (the largest ones), and one layer's gradient on its way to the host.
+
+Host memory (the whole host: D devices and the worker's own buffers):
+
+    swapped activations   per device: the saved tensors of "swap" layers, all alive between
+                          forward and backward
+    staging               per device, without offload: the pinned buffer its gradient lands in
+    worker                once per host: the host-sum buffer and the pulled parameters
+    host = D * (swapped + staging) + 2P      (P: parameter bytes)
+
+With whole-layer offload the replicas have no host buffers of their own: they all read the
+worker's one parameter copy and sum their gradients straight into its host-sum buffer
+(``worker.param_offload.HostGradSum``), so offload costs no host memory beyond the worker's 2P.
+
+Pinned host memory is capped (``pinned_limit_bytes`` per device); bytes past the cap are copied
+at ``PAGEABLE_FRACTION`` of the bandwidth, which raises the swap cost the greedy weighs.
+
 Costs (S3.3): swapping a layer costs its saved bytes / PCIe bandwidth; recomputing it costs
 its forward time; swaps are free while their summed cost stays under the step's forward +
 backward time, because the copies run on a side stream behind compute.
@@ -25,7 +44,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from pstrain.planner.profiler import LayerProfile, ModelProfile
 
@@ -36,16 +56,32 @@ class Policy(str, enum.Enum):
     RECOMPUTE = "recompute"
 
 
+PAGEABLE_FRACTION = 0.5
+"""Pageable host memory copies at about half the pinned rate (a staging copy through a pinned bounce buffer)."""
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     device_bytes: int
     bandwidth_bytes_per_s: float  # device <-> host
     margin: float = 0.1  # fraction of device memory left free (fragmentation, CUDA context, workspace)
     prefetch: int = 2
+    host_bytes: int | None = None  # host memory the offload may use, for the whole host (None: unlimited)
+    devices_per_host: int = 1
+    pinned_limit_bytes: int = 1 << 62  # per device; past it, pageable memory at PAGEABLE_FRACTION of the rate
+    offload_params: bool = False  # whole-layer offload: parameters and gradients live on the host
 
     def __post_init__(self) -> None:
         if self.device_bytes <= 0 or self.bandwidth_bytes_per_s <= 0 or not 0 <= self.margin < 1:
             raise ValueError(f"impossible memory budget {self}")
+        if self.devices_per_host < 1 or (self.host_bytes is not None and self.host_bytes <= 0):
+            raise ValueError(f"impossible memory budget {self}")
+
+    def copy_s(self, nbytes: float, total_bytes: float) -> float:
+        """Seconds to copy ``nbytes`` of ``total_bytes`` swapped in all: the share over the pinned cap is slower."""
+        pageable = max(0.0, total_bytes - self.pinned_limit_bytes) / max(total_bytes, 1.0)
+        rate = self.bandwidth_bytes_per_s
+        return nbytes * (1 - pageable) / rate + nbytes * pageable / (rate * PAGEABLE_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -64,10 +100,19 @@ class MemoryPlan:
     peak_bytes: float
     budget: MemoryBudget
     overlap_budget_s: float
+    host_bytes: float = 0.0  # the whole host's offload memory at this batch (all its devices + the worker)
+
+    @property
+    def fits_device(self) -> bool:
+        return self.peak_bytes <= self.budget.device_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.budget.host_bytes is None or self.host_bytes <= self.budget.host_bytes
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.budget.device_bytes
+        return self.fits_device and self.fits_host
 
     @property
     def swap_s(self) -> float:
@@ -92,7 +137,11 @@ def peak_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], b
     by_policy: dict[Policy, list[float]] = {p: [] for p in Policy}
     for layer in profile.layers:
         by_policy[policies.get(layer.name, Policy.KEEP)].append(saved(layer))
-    resident = 2 * profile.param_bytes
+    if budget.offload_params:
+        layer_params = sorted((layer.param_bytes for layer in profile.layers), reverse=True)
+        resident = sum(layer_params[: budget.prefetch + 1]) + max(layer_params, default=0)
+    else:
+        resident = 2 * profile.param_bytes
     kept = sum(by_policy[Policy.KEEP])
     swapped = sum(sorted(by_policy[Policy.SWAP], reverse=True)[: budget.prefetch + 1])
     recompute = max(by_policy[Policy.RECOMPUTE], default=0.0)
@@ -100,10 +149,18 @@ def peak_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], b
     return (resident + kept + swapped + recompute + temporary) / (1 - budget.margin)
 
 
+def host_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], budget: MemoryBudget) -> float:
+    """The whole host's memory for offload at ``batch``: see the module docstring."""
+    swapped = sum(la.saved_bytes(batch) for la in profile.layers if policies.get(la.name) == Policy.SWAP)
+    staging = 0 if budget.offload_params else profile.param_bytes  # offload: the host's buffers are shared
+    return (swapped + staging) * budget.devices_per_host + 2 * profile.param_bytes
+
+
 def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allow_swap: bool = True) -> MemoryPlan:
     scale = _scale(profile, batch)
     overlap = profile.step_s() * scale
-    swap_s = {layer.name: layer.saved_bytes(batch) / budget.bandwidth_bytes_per_s for layer in profile.layers}
+    all_saved = sum(layer.saved_bytes(batch) for layer in profile.layers)
+    swap_s = {layer.name: budget.copy_s(layer.saved_bytes(batch), all_saved) for layer in profile.layers}
     recompute_s = {layer.name: layer.forward_s * scale for layer in profile.layers}
     policies = {layer.name: Policy.KEEP for layer in profile.layers}
 
@@ -130,24 +187,70 @@ def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allo
         LayerDecision(la.name, policies[la.name], la.saved_bytes(batch), swap_s[la.name], recompute_s[la.name])
         for la in profile.layers
     )
-    return MemoryPlan(batch, decisions, peak_bytes(profile, batch, policies, budget), budget, overlap)
+    return MemoryPlan(
+        batch,
+        decisions,
+        peak_bytes(profile, batch, policies, budget),
+        budget,
+        overlap,
+        host_bytes(profile, batch, policies, budget),
+    )
 
 
 def max_batch(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40) -> int:
-    """The largest batch whose plan fits (0 if not even one sample fits)."""
-    if not plan_for_batch(profile, 1, budget, allow_swap).fits:
+    """The largest batch whose plan fits the device and the host (0 if not even one sample fits)."""
+    return _largest(lambda b: plan_for_batch(profile, b, budget, allow_swap).fits, upper)
+
+
+def _largest(fits: Callable[[int], bool], upper: int) -> int:
+    if not fits(1):
         return 0
     low, high = 1, 2
-    while high <= upper and plan_for_batch(profile, high, budget, allow_swap).fits:
+    while high <= upper and fits(high):
         low, high = high, high * 2
     high = min(high, upper + 1)
     while high - low > 1:
         mid = (low + high) // 2
-        if plan_for_batch(profile, mid, budget, allow_swap).fits:
+        if fits(mid):
             low = mid
         else:
             high = mid
     return low
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """The largest batch by each limit alone, and which one binds (the smaller)."""
+
+    device: int  # fits the device, host unlimited
+    host: int  # fits the host, device unlimited (at the device-fitting plan's policies)
+    both: int
+
+    @property
+    def binding(self) -> str:
+        if self.both >= self.device and self.both >= self.host:
+            return "neither"
+        return "host" if self.host < self.device else "device"
+
+
+def batch_limits(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40) -> BatchLimits:
+    device_only = replace(budget, host_bytes=None)
+    device = max_batch(profile, device_only, allow_swap, upper)
+    host = _largest(lambda b: plan_for_batch(profile, b, budget, allow_swap).fits_host, upper)
+    return BatchLimits(device, host, max_batch(profile, budget, allow_swap, upper))
+
+
+def largest_model(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, batch: int = 1) -> float:
+    """The parameter bytes of the largest model of this shape (every layer's parameters scaled alike) that
+    still plans at ``batch``: how far each policy stretches the device (and the host)."""
+    if profile.param_bytes == 0:
+        return 0.0
+
+    def fits(k: int) -> bool:
+        layers = tuple(replace(la, param_bytes=la.param_bytes * k // 64) for la in profile.layers)
+        return plan_for_batch(replace(profile, layers=layers), batch, budget, allow_swap).fits
+
+    return _largest(fits, 1 << 40) / 64 * profile.param_bytes
 
 
 def s15_max_batch(profile: ModelProfile, device_bytes: int) -> int:

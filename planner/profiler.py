@@ -41,6 +41,7 @@ class ModelProfile:
     layers: tuple[LayerProfile, ...]
     batch: int  # the reference batch the times were measured at
     device: str
+    device_total_bytes: int = 0  # the device's memory when known (a worker's GPU); 0 for a CPU
 
     @property
     def param_bytes(self) -> int:

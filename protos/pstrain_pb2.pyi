@@ -64,7 +64,7 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps")
+    __slots__ = ("name", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps", "trust_coefficient", "exclude_1d")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     DAMPENING_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class OptimizerSpec(_message.Message):
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
     EPS_FIELD_NUMBER: _ClassVar[int]
+    TRUST_COEFFICIENT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_1D_FIELD_NUMBER: _ClassVar[int]
     name: str
     momentum: float
     dampening: float
@@ -81,7 +83,9 @@ class OptimizerSpec(_message.Message):
     beta1: float
     beta2: float
     eps: float
-    def __init__(self, name: _Optional[str] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
+    trust_coefficient: float
+    exclude_1d: bool
+    def __init__(self, name: _Optional[str] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., trust_coefficient: _Optional[float] = ..., exclude_1d: _Optional[bool] = ...) -> None: ...
 
 class LrSchedule(_message.Message):
     __slots__ = ("base_lr", "scaled_lr", "warmup_steps", "scaling")
@@ -104,7 +108,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite", "coordinator_timeout_s")
+    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite", "coordinator_timeout_s", "bucket_bytes", "push_dtype", "shared_memory_off", "offload_params", "embeddings", "profile_blocks", "profile_batches", "memory_profile")
     class LayerPoliciesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +147,14 @@ class JobSpec(_message.Message):
     CHECKPOINT_KEEP_FIELD_NUMBER: _ClassVar[int]
     ON_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_OFF_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PROFILE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_factory: str
     model_kwargs_json: str
@@ -174,14 +186,22 @@ class JobSpec(_message.Message):
     checkpoint_keep: int
     on_nonfinite: str
     coordinator_timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ..., coordinator_timeout_s: _Optional[float] = ...) -> None: ...
+    bucket_bytes: int
+    push_dtype: DType
+    shared_memory_off: bool
+    offload_params: bool
+    embeddings: _containers.RepeatedCompositeFieldContainer[EmbeddingTableSpec]
+    profile_blocks: _containers.RepeatedScalarFieldContainer[str]
+    profile_batches: _containers.RepeatedScalarFieldContainer[int]
+    memory_profile: str
+    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ..., coordinator_timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., push_dtype: _Optional[_Union[DType, str]] = ..., shared_memory_off: _Optional[bool] = ..., offload_params: _Optional[bool] = ..., embeddings: _Optional[_Iterable[_Union[EmbeddingTableSpec, _Mapping]]] = ..., profile_blocks: _Optional[_Iterable[str]] = ..., profile_batches: _Optional[_Iterable[int]] = ..., memory_profile: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip")
+    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip", "piece_start", "shm_nonce")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +209,8 @@ class PushHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
+    PIECE_START_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     worker_id: int
     step: int
@@ -196,7 +218,9 @@ class PushHeader(_message.Message):
     dtype: DType
     numel: int
     skip: bool
-    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ...) -> None: ...
+    piece_start: int
+    shm_nonce: bytes
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ..., piece_start: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -219,12 +243,18 @@ class PushReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("shard_id", "min_version")
+    __slots__ = ("shard_id", "min_version", "piece_start", "shm_worker", "shm_nonce")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PIECE_START_FIELD_NUMBER: _ClassVar[int]
+    SHM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     min_version: int
-    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ...) -> None: ...
+    piece_start: int
+    shm_worker: int
+    shm_nonce: bytes
+    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., piece_start: _Optional[int] = ..., shm_worker: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("version", "chunk")
@@ -258,6 +288,46 @@ class ShardStatus(_message.Message):
     optimizer: str
     def __init__(self, shard_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ..., pushes_waiting: _Optional[int] = ..., workers_expected: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
 
+class NormPartial(_message.Message):
+    __slots__ = ("param_index", "values")
+    PARAM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    param_index: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, param_index: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class NormPost(_message.Message):
+    __slots__ = ("from_shard", "step", "partials")
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PARTIALS_FIELD_NUMBER: _ClassVar[int]
+    from_shard: int
+    step: int
+    partials: _containers.RepeatedCompositeFieldContainer[NormPartial]
+    def __init__(self, from_shard: _Optional[int] = ..., step: _Optional[int] = ..., partials: _Optional[_Iterable[_Union[NormPartial, _Mapping]]] = ...) -> None: ...
+
+class ShmRequest(_message.Message):
+    __slots__ = ("shard_id", "worker_id")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    worker_id: int
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ...) -> None: ...
+
+class ShmRegions(_message.Message):
+    __slots__ = ("push_path", "pull_path", "numel", "header_bytes", "nonce")
+    PUSH_PATH_FIELD_NUMBER: _ClassVar[int]
+    PULL_PATH_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    push_path: str
+    pull_path: str
+    numel: int
+    header_bytes: int
+    nonce: bytes
+    def __init__(self, push_path: _Optional[str] = ..., pull_path: _Optional[str] = ..., numel: _Optional[int] = ..., header_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
 class RegisterPsRequest(_message.Message):
     __slots__ = ("shard_id", "address", "metrics_address")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -269,16 +339,20 @@ class RegisterPsRequest(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterPsReply(_message.Message):
-    __slots__ = ("job", "start", "end", "resume_step")
+    __slots__ = ("job", "start", "end", "resume_step", "member_credential", "job_key")
     JOB_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
     job: JobSpec
     start: int
     end: int
     resume_step: int
-    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., resume_step: _Optional[int] = ...) -> None: ...
+    member_credential: str
+    job_key: bytes
+    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., resume_step: _Optional[int] = ..., member_credential: _Optional[str] = ..., job_key: _Optional[bytes] = ...) -> None: ...
 
 class CheckpointWritten(_message.Message):
     __slots__ = ("shard_id", "step")
@@ -319,12 +393,24 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., hostname: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("worker_id", "job")
+    __slots__ = ("worker_id", "job", "replacement", "devices", "device_memory_bytes", "host_memory_bytes", "start_step", "member_credential")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     job: JobSpec
-    def __init__(self, worker_id: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ...) -> None: ...
+    replacement: bool
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    device_memory_bytes: int
+    host_memory_bytes: int
+    start_step: int
+    member_credential: str
+    def __init__(self, worker_id: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., replacement: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., device_memory_bytes: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., start_step: _Optional[int] = ..., member_credential: _Optional[str] = ...) -> None: ...
 
 class WaitForClusterRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -345,18 +431,50 @@ class ClusterView(_message.Message):
     def __init__(self, ps_addresses: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[JobState, str]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
-    __slots__ = ("worker_id", "per_device_batch", "device_peak_bytes", "host_peak_bytes", "limit_bytes")
+    __slots__ = ("worker_id", "per_device_batch", "device_peak_bytes", "host_peak_bytes", "limit_bytes", "profile")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PER_DEVICE_BATCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     per_device_batch: int
     device_peak_bytes: int
     host_peak_bytes: int
     limit_bytes: int
-    def __init__(self, worker_id: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_peak_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ...) -> None: ...
+    profile: DeviceProfile
+    def __init__(self, worker_id: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_peak_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
+
+class LayerProfileEntry(_message.Message):
+    __slots__ = ("name", "param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample", "forward_s", "backward_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_FIXED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    param_bytes: int
+    saved_bytes_per_sample: float
+    saved_bytes_fixed: float
+    output_bytes_per_sample: float
+    forward_s: float
+    backward_s: float
+    def __init__(self, name: _Optional[str] = ..., param_bytes: _Optional[int] = ..., saved_bytes_per_sample: _Optional[float] = ..., saved_bytes_fixed: _Optional[float] = ..., output_bytes_per_sample: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ...) -> None: ...
+
+class DeviceProfile(_message.Message):
+    __slots__ = ("layers", "batch", "device", "device_total_bytes")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerProfileEntry]
+    batch: int
+    device: str
+    device_total_bytes: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfileEntry, _Mapping]]] = ..., batch: _Optional[int] = ..., device: _Optional[str] = ..., device_total_bytes: _Optional[int] = ...) -> None: ...
 
 class ProbeVerdict(_message.Message):
     __slots__ = ("done", "job", "limit_bytes", "message")
@@ -371,10 +489,12 @@ class ProbeVerdict(_message.Message):
     def __init__(self, done: _Optional[bool] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., limit_bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DataShardRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "request_seq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    request_seq: int
+    def __init__(self, worker_id: _Optional[int] = ..., request_seq: _Optional[int] = ...) -> None: ...
 
 class DataShard(_message.Message):
     __slots__ = ("data_shard_id", "epoch", "indices")
@@ -520,6 +640,16 @@ class JobStatus(_message.Message):
     ps_memory_trend: str
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., lr: _Optional[float] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., data_shards_todo: _Optional[int] = ..., data_shards_doing: _Optional[int] = ..., data_shards_done: _Optional[int] = ..., message: _Optional[str] = ..., metrics_address: _Optional[str] = ..., global_lr: _Optional[float] = ..., worker_device_memory_bytes: _Optional[int] = ..., worker_host_memory_bytes: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., ps_memory_forecast_bytes: _Optional[int] = ..., ps_memory_trend: _Optional[str] = ...) -> None: ...
 
+class RejoinRequest(_message.Message):
+    __slots__ = ("worker_id", "step", "inconsistent")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INCONSISTENT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    inconsistent: str
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., inconsistent: _Optional[str] = ...) -> None: ...
+
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -537,3 +667,119 @@ class WorkerStatus(_message.Message):
     last_step_s: float
     state: str
     def __init__(self, worker_id: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., last_step_s: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+
+class EmbeddingTableSpec(_message.Message):
+    __slots__ = ("name", "rows", "dim", "init", "init_scale", "seed", "optimizer", "lr", "beta1", "beta2", "eps", "averaging", "lr_schedule")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    dim: int
+    init: str
+    init_scale: float
+    seed: int
+    optimizer: str
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    averaging: str
+    lr_schedule: str
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., init: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., averaging: _Optional[str] = ..., lr_schedule: _Optional[str] = ...) -> None: ...
+
+class RowBlock(_message.Message):
+    __slots__ = ("table", "ids", "values", "counts")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    values: bytes
+    counts: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ..., counts: _Optional[bytes] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("shard_id", "min_version", "blocks")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    min_version: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PullRowsReply(_message.Message):
+    __slots__ = ("version", "blocks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, version: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PushRowsRequest(_message.Message):
+    __slots__ = ("shard_id", "worker_id", "step", "device_count", "skip", "blocks")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    worker_id: int
+    step: int
+    device_count: int
+    skip: bool
+    blocks: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., skip: _Optional[bool] = ..., blocks: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PushRowsReply(_message.Message):
+    __slots__ = ("version", "duplicate", "completed", "skipped")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    duplicate: bool
+    completed: bool
+    skipped: bool
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ...) -> None: ...
+
+class ReadTableRequest(_message.Message):
+    __slots__ = ("shard_id", "table", "min_version", "rows_per_block")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    table: str
+    min_version: int
+    rows_per_block: int
+    def __init__(self, shard_id: _Optional[int] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., rows_per_block: _Optional[int] = ...) -> None: ...
+
+class RowsVersionRequest(_message.Message):
+    __slots__ = ("shard_id", "worker_id")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    worker_id: int
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ...) -> None: ...
+
+class RowsVersionReply(_message.Message):
+    __slots__ = ("version", "worker_step")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STEP_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    worker_step: int
+    def __init__(self, version: _Optional[int] = ..., worker_step: _Optional[int] = ...) -> None: ...

@@ -25,6 +25,79 @@ if _version_not_supported:
     )
 
 
+class LayerNormsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PostNorms = channel.unary_unary(
+                '/pstrain.v1.LayerNorms/PostNorms',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.NormPost.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+                _registered_method=True)
+
+
+class LayerNormsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def PostNorms(self, request, context):
+        """deposits and returns at once; the receiver waits for its peers
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LayerNormsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PostNorms': grpc.unary_unary_rpc_method_handler(
+                    servicer.PostNorms,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.NormPost.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pstrain.v1.LayerNorms', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pstrain.v1.LayerNorms', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class LayerNorms:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def PostNorms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.LayerNorms/PostNorms',
+            pstrain_dot_protos_dot_pstrain__pb2.NormPost.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ParameterServerStub:
     """Missing associated documentation comment in .proto file."""
 
@@ -49,6 +122,16 @@ class ParameterServerStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatusRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatus.FromString,
                 _registered_method=True)
+        self.OpenSharedMemory = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/OpenSharedMemory',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRegions.FromString,
+                _registered_method=True)
+        self.CloseSharedMemory = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/CloseSharedMemory',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -72,6 +155,19 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSharedMemory(self, request, context):
+        """issue 12: colocated workers move tensors through /dev/shm
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +185,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetShardStatus,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatusRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatus.SerializeToString,
+            ),
+            'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSharedMemory,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRegions.SerializeToString,
+            ),
+            'CloseSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSharedMemory,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +288,60 @@ class ParameterServer:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def OpenSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/OpenSharedMemory',
+            pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.ShmRegions.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/CloseSharedMemory',
+            pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class CoordinatorStub:
     """Missing associated documentation comment in .proto file."""
@@ -261,6 +421,16 @@ class CoordinatorStub:
                 '/pstrain.v1.Coordinator/GetJobStatus',
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatusRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatus.FromString,
+                _registered_method=True)
+        self.RejoinAt = channel.unary_unary(
+                '/pstrain.v1.Coordinator/RejoinAt',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.RejoinRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
+                _registered_method=True)
+        self.FetchInitialRows = channel.unary_stream(
+                '/pstrain.v1.Coordinator/FetchInitialRows',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RowBlock.FromString,
                 _registered_method=True)
 
 
@@ -351,6 +521,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RejoinAt(self, request, context):
+        """S2.5: a replacement worker says where it resumes
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchInitialRows(self, request, context):
+        """issue 9: init_checkpoint rows a shard owns
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -423,6 +607,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetJobStatus,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatusRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.JobStatus.SerializeToString,
+            ),
+            'RejoinAt': grpc.unary_unary_rpc_method_handler(
+                    servicer.RejoinAt,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RejoinRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.SerializeToString,
+            ),
+            'FetchInitialRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchInitialRows,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.RowBlock.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -813,6 +1007,60 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def RejoinAt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.Coordinator/RejoinAt',
+            pstrain_dot_protos_dot_pstrain__pb2.RejoinRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchInitialRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pstrain.v1.Coordinator/FetchInitialRows',
+            pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.RowBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -875,6 +1123,212 @@ class Worker:
             '/pstrain.v1.Worker/GetWorkerStatus',
             pstrain_dot_protos_dot_pstrain__pb2.WorkerStatusRequest.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class SparseTablesStub:
+    """A PS shard's part of the sparse embedding tables (ps_server/sparse_service.py).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PullRows = channel.unary_unary(
+                '/pstrain.v1.SparseTables/PullRows',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRowsReply.FromString,
+                _registered_method=True)
+        self.PushRows = channel.unary_unary(
+                '/pstrain.v1.SparseTables/PushRows',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushRowsRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushRowsReply.FromString,
+                _registered_method=True)
+        self.ReadTable = channel.unary_stream(
+                '/pstrain.v1.SparseTables/ReadTable',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ReadTableRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RowBlock.FromString,
+                _registered_method=True)
+        self.RowsVersion = channel.unary_unary(
+                '/pstrain.v1.SparseTables/RowsVersion',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.RowsVersionRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RowsVersionReply.FromString,
+                _registered_method=True)
+
+
+class SparseTablesServicer:
+    """A PS shard's part of the sparse embedding tables (ps_server/sparse_service.py).
+    """
+
+    def PullRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadTable(self, request, context):
+        """every row the shard holds (export)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RowsVersion(self, request, context):
+        """a replacement's consistency check
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SparseTablesServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PullRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRowsRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRowsReply.SerializeToString,
+            ),
+            'PushRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushRowsRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushRowsReply.SerializeToString,
+            ),
+            'ReadTable': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadTable,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ReadTableRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.RowBlock.SerializeToString,
+            ),
+            'RowsVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RowsVersion,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RowsVersionRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.RowsVersionReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pstrain.v1.SparseTables', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pstrain.v1.SparseTables', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SparseTables:
+    """A PS shard's part of the sparse embedding tables (ps_server/sparse_service.py).
+    """
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SparseTables/PullRows',
+            pstrain_dot_protos_dot_pstrain__pb2.PullRowsRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PullRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SparseTables/PushRows',
+            pstrain_dot_protos_dot_pstrain__pb2.PushRowsRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PushRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pstrain.v1.SparseTables/ReadTable',
+            pstrain_dot_protos_dot_pstrain__pb2.ReadTableRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.RowBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RowsVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.SparseTables/RowsVersion',
+            pstrain_dot_protos_dot_pstrain__pb2.RowsVersionRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.RowsVersionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,13 +24,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from pstrain.runtime.atomic_io import atomic_write
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S")  # a snapshot: what a SnapshotWriter writes
 
 FORMAT_VERSION = 1
 _FILE = re.compile(r"^step-(\d+)\.pt$")
@@ -114,32 +116,47 @@ class WriteRecord:
     write_s: float  # background time to write and fsync the snapshot
 
 
-class CheckpointWriter:
-    """One background thread per shard that writes snapshots in order and confirms each."""
+class SnapshotWriter(Generic[S]):
+    """One background thread per shard that writes snapshots in order, confirms each and prunes.
+
+    The dense range (``CheckpointWriter``) and the sparse tables
+    (``sparse_checkpoint.SparseCheckpointWriter``) are written the same way; they differ only in
+    what a snapshot is and where its file goes, which ``save``, ``version_of``, ``steps`` and
+    ``file_of`` say.
+    """
 
     def __init__(
         self,
-        directory: Path,
         shard_id: int,
         keep: int,
         on_written: Callable[[int], int | None],
+        save: Callable[[S], object],
+        version_of: Callable[[S], int],
+        steps: Callable[[], list[int]],
+        file_of: Callable[[int], Path],
+        what: str = "checkpoint",
     ) -> None:
         """``on_written(step)`` reports a durable file and returns the newest committed step, if known."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
-        self.directory = directory
         self.shard_id = shard_id
         self.keep = keep
         self._on_written = on_written
-        self._queue: queue.Queue[ShardState | None] = queue.Queue(maxsize=1)
+        self._save = save
+        self._version_of = version_of
+        self._steps = steps
+        self._file_of = file_of
+        self._what = what
+        self._queue: queue.Queue[S | None] = queue.Queue(maxsize=1)
         self._closed = threading.Event()
         self._committed = -1  # the newest committed step the coordinator told us of
         self.records: list[WriteRecord] = []
         self.error: BaseException | None = None  # the last write's failure, cleared by a success
-        self._thread = threading.Thread(target=self._run, name=f"checkpoint-{shard_id}", daemon=True)
+        name = what.replace(" ", "-")
+        self._thread = threading.Thread(target=self._run, name=f"{name}-{shard_id}", daemon=True)
         self._thread.start()
 
-    def submit(self, state: ShardState) -> None:
+    def submit_snapshot(self, snapshot: S) -> None:
         """Hand a snapshot over; waits while the previous one is still queued (backpressure).
 
         A failed write never fails training: it is logged (and kept in ``error``) and that step
@@ -147,11 +164,13 @@ class CheckpointWriter:
         """
         while not self._closed.is_set():
             try:
-                self._queue.put(state, timeout=1.0)
+                self._queue.put(snapshot, timeout=1.0)
                 return
             except queue.Full:
                 continue
-        log.warning("shard %d: writer closed; checkpoint of step %d not written", self.shard_id, state.version)
+        log.warning(
+            "shard %d: writer closed; %s of step %d not written", self.shard_id, self._what, self._version_of(snapshot)
+        )
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Finish the queued writes (a clean stop keeps its last checkpoint), then stop."""
@@ -159,40 +178,56 @@ class CheckpointWriter:
         try:
             self._queue.put(None, timeout=timeout_s)
         except queue.Full:
-            log.error("shard %d: checkpoint writer still busy after %.0fs; leaving it", self.shard_id, timeout_s)
+            log.error("shard %d: %s writer still busy after %.0fs; leaving it", self.shard_id, self._what, timeout_s)
             return
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            state = item
+        while (snapshot := self._queue.get()) is not None:
+            version = self._version_of(snapshot)
             started = time.perf_counter()
             try:
-                save_state(self.directory, state)
+                self._save(snapshot)
             except BaseException as exc:  # noqa: BLE001 - logged; that step is never committed
-                log.exception("shard %d: writing checkpoint of step %d failed", self.shard_id, state.version)
+                log.exception("shard %d: writing %s of step %d failed", self.shard_id, self._what, version)
                 self.error = exc
                 continue
             self.error = None
             write_s = time.perf_counter() - started
-            self.records.append(WriteRecord(state.version, write_s))
-            log.info("shard %d: checkpoint of step %d written in %.3fs", self.shard_id, state.version, write_s)
+            self.records.append(WriteRecord(version, write_s))
+            log.info("shard %d: %s of step %d written in %.3fs", self.shard_id, self._what, version, write_s)
             try:
-                committed = self._on_written(state.version)
+                committed = self._on_written(version)
                 if committed is not None:
                     self._committed = max(self._committed, committed)
             except Exception as exc:  # noqa: BLE001 - the coordinator may be restarting; a later step commits
-                log.warning("shard %d: could not confirm checkpoint %d: %s", self.shard_id, state.version, exc)
-            self._prune(state.version)
+                log.warning("shard %d: could not confirm %s %d: %s", self.shard_id, self._what, version, exc)
+            self._prune(version)
 
     def _prune(self, written: int) -> None:
         """Drop files past ``written`` (a discarded run's) and, below the newest committed step, all
         but the ``keep - 1`` newest: the last ``keep`` committed checkpoints always stay on disk."""
-        steps = written_steps(self.directory, self.shard_id)
+        steps = self._steps()
         below = [s for s in steps if s < self._committed]
         stale = [s for s in steps if s > written] + below[: max(0, len(below) - (self.keep - 1))]
         for step in stale:
-            shard_file(self.directory, self.shard_id, step).unlink(missing_ok=True)
+            self._file_of(step).unlink(missing_ok=True)
+
+
+class CheckpointWriter(SnapshotWriter[ShardState]):
+    """The dense range's snapshots: ``shard-<id>/step-<t>.pt`` files."""
+
+    def __init__(self, directory: Path, shard_id: int, keep: int, on_written: Callable[[int], int | None]) -> None:
+        self.directory = directory
+        super().__init__(
+            shard_id,
+            keep,
+            on_written,
+            save=lambda state: save_state(directory, state),
+            version_of=lambda state: state.version,
+            steps=lambda: written_steps(directory, shard_id),
+            file_of=lambda step: shard_file(directory, shard_id, step),
+        )
+
+    def submit(self, state: ShardState) -> None:
+        self.submit_snapshot(state)

@@ -16,17 +16,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 
 from pstrain.ps_server import errors as shard_errors
+from pstrain.ps_server.pieces import PiecedShard, as_pieced
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.ps_api import (
     Cancelled,
     InvalidRequest,
     PsClientError,
+    PullHandle,
     PushHandle,
     ShardAck,
     StepConflict,
@@ -34,8 +36,10 @@ from pstrain.runtime.ps_api import (
     UnknownWorker,
     WaitTimeout,
     agreed_version,
+    check_pieces,
     check_pull_buffer,
     check_push_buffer,
+    round_push,
 )
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 
@@ -65,7 +69,14 @@ def _translated() -> Iterator[None]:
 class LocalPsClient:
     """A client over shards in this process. It does not own them: ``close`` leaves them open."""
 
-    def __init__(self, shards: Sequence[ParameterShard], pull_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        shards: Sequence[ParameterShard | PiecedShard],
+        pull_timeout_s: float = 600.0,
+        push_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``push_dtype``: gradients are handed to the shards as this (``transport.push_dtype``), rounded as the
+        gRPC client rounds them (``round_push``)."""
         if not shards:
             raise ValueError("a parameter-server client needs at least one shard")
         self.total = shards[-1].end
@@ -73,8 +84,10 @@ class LocalPsClient:
         held = [ShardRange(s.shard_id, s.start, s.end) for s in shards]
         if held != self.ranges:
             raise ValueError(f"shards {held} do not follow the shard map {self.ranges}; pass them in shard order")
-        self._shards = list(shards)
+        self._shards = [as_pieced(s) for s in shards]
+        self._pulls: ThreadPoolExecutor | None = None  # pull_pieces' waits; made on first use
         self._pull_timeout_s = pull_timeout_s
+        self._push_dtype = push_dtype
         self._cancel = threading.Event()
         self._cond = threading.Condition()
         self._closed = False
@@ -87,15 +100,41 @@ class LocalPsClient:
     def skip_step(self, worker_id: int, step: int, device_count: int) -> PushHandle:
         return self._push(None, worker_id, step, device_count)
 
-    def _push(self, flat: torch.Tensor | None, worker_id: int, step: int, device_count: int) -> PushHandle:
+    def push_pieces(
+        self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
+    ) -> PushHandle:
+        check_push_buffer(flat, self.total)
+        check_pieces(pieces, self.ranges)
+        return self._push(flat, worker_id, step, device_count, pieces)
+
+    def skip_pieces(self, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int) -> PushHandle:
+        check_pieces(pieces, self.ranges)
+        return self._push(None, worker_id, step, device_count, pieces)
+
+    def _push(
+        self,
+        flat: torch.Tensor | None,
+        worker_id: int,
+        step: int,
+        device_count: int,
+        pieces: Sequence[ShardRange] | None = None,
+    ) -> PushHandle:
         futures: list[Future[ShardAck]] = []
         with self._call():
-            for r, shard in zip(self.ranges, self._shards, strict=True):
+            for r in self.ranges if pieces is None else pieces:
+                shard = self._shards[r.shard_id]
                 future: Future[ShardAck] = Future()
                 try:
                     with _translated():
-                        piece = None if flat is None else flat[r.start : r.end]
-                        result = shard.push(worker_id, step, piece, device_count, skip=flat is None)
+                        piece = None if flat is None else round_push(flat[r.start : r.end], self._push_dtype)
+                        result = shard.push(
+                            worker_id,
+                            step,
+                            piece,
+                            device_count,
+                            skip=flat is None,
+                            piece_start=None if pieces is None else r.start,
+                        )
                 except Exception as exc:  # noqa: BLE001 - delivered by wait(), as over gRPC
                     future.set_exception(exc)
                 else:
@@ -115,15 +154,37 @@ class LocalPsClient:
             ]
         return agreed_version(versions)
 
+    def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
+        """Each piece waits in a thread of its own (a shard's read blocks), so the caller goes on at once."""
+        check_pull_buffer(out, self.total)
+        check_pieces(pieces, self.ranges)
+        with self._cond:
+            if self._closed:
+                raise Cancelled("the parameter-server client is closed")
+            if self._pulls is None:
+                self._pulls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="local-pull")
+            pool = self._pulls
+        deadline = time.monotonic() + self._pull_timeout_s
+
+        def pull(p: ShardRange) -> int:
+            with self._call():
+                return self._pull_one(self._shards[p.shard_id], min_version, out[p.start : p.end], deadline, p.start)
+
+        return PullHandle([pool.submit(pull, p) for p in pieces])
+
     def close(self, cancel: bool = False) -> None:
         """Refuse new calls; with ``cancel`` end waiting pulls now, else wait for calls in flight."""
         with self._cond:
             self._closed = True
             if cancel:
                 self._cancel.set()
+                if self._pulls is not None:
+                    self._pulls.shutdown(wait=False, cancel_futures=True)
                 return
             while self._in_flight:
                 self._cond.wait()
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False)
 
     @contextmanager
     def _call(self) -> Iterator[None]:
@@ -138,14 +199,17 @@ class LocalPsClient:
                 self._in_flight -= 1
                 self._cond.notify_all()
 
-    def _pull_one(self, shard: ParameterShard, min_version: int, dest: torch.Tensor, deadline: float) -> int:
+    def _pull_one(
+        self, shard: PiecedShard, min_version: int, dest: torch.Tensor, deadline: float, piece: int | None = None
+    ) -> int:
         with _translated():
             while True:
                 if self._cancel.is_set():
                     raise Cancelled(f"pull of version {min_version} cancelled: the client was closed")
                 remaining = deadline - time.monotonic()
                 try:
-                    with shard.read(min_version, max(0.0, min(CANCEL_POLL_S, remaining))) as (version, params):
+                    wait_s = max(0.0, min(CANCEL_POLL_S, remaining))
+                    with shard.read(min_version, wait_s, piece_start=piece) as (version, params):
                         dest.copy_(params)
                         return version
                 except shard_errors.WaitTimeout as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,15 +20,26 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import TensorAssembler
+from pstrain.ps_server.admission import ShardGate
 from pstrain.ps_server.checkpoint import CheckpointError, CheckpointWriter, load_state
+from pstrain.ps_server.norm_service import GrpcPoster, LayerNormsServicer, add_layer_norms, layers_for
 from pstrain.ps_server.optimizer import update_threads
+from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
-from pstrain.ps_server.shard import CheckpointPolicy, ParameterShard
+from pstrain.ps_server.shard import CheckpointPolicy
+from pstrain.ps_server.sparse_checkpoint import CheckpointJoin, sparse_shard_for
+from pstrain.ps_server.sparse_service import SparseTablesServicer, add_sparse_tables
+from pstrain.runtime.admission import PullLimits
+from pstrain.runtime.buckets import shard_pieces
+from pstrain.runtime.identity import MemberKeys
+from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
 from pstrain.runtime.member import EXIT_JOB_FAILED, MemberProcess, add_member_flags
+from pstrain.runtime.shard_map import ShardRange
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+_PS_VIEW = pb.WaitForClusterRequest(worker_id=-1)  # issue 10: the PS addresses, for the norm exchange
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +56,13 @@ def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> t
     return assembler.result()
 
 
-def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_id: int) -> int:
+def serve_shard(
+    member: MemberProcess,
+    servicer: ParameterServerServicer,
+    shard_id: int,
+    sparse: SparseTablesServicer | None = None,
+    norms: LayerNormsServicer | None = None,
+) -> int:
     """Join as shard ``shard_id``, serve it until the job ends or SIGTERM."""
     log.info("shard %d listening on %s", shard_id, member.served.address)
     stub = member.coordinator
@@ -53,39 +71,83 @@ def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_
     )
     reply = member.join(lambda: stub.RegisterParameterServer(request, timeout=CONTROL_TIMEOUT_S))
     job = reply.job
+    if reply.job_key:  # issue 8: pushes only with the pushing worker's credential, pulls within limits
+        limits = PullLimits(max_wait_s=job.pull_timeout_s) if job.pull_timeout_s > 0 else None
+        servicer.gate = ShardGate(MemberKeys(reply.job_key), job.devices_per_worker or None, limits)
+        if sparse is not None:
+            sparse.gate = servicer.gate  # row pushes and pulls are bound like dense ones
+        if norms is not None:
+            norms.keys = servicer.gate.keys  # issue 10: only this job's PS shards post partial norms
     # Heartbeat from registration on: loading a large checkpoint must not look like a dead shard.
     member.start_heartbeat(
         shard_id, job.heartbeat_s, stop_when_job_ends=True, coordinator_timeout_s=job.coordinator_timeout_s
     )
     policy = None
+    confirm_sparse = None
     if job.checkpoint_dir and job.checkpoint_every_steps > 0:
-        writer = CheckpointWriter(
-            Path(job.checkpoint_dir),
-            shard_id,
-            job.checkpoint_keep,
-            lambda step: (
-                stub.ReportCheckpoint(
-                    pb.CheckpointWritten(shard_id=shard_id, step=step), timeout=CONTROL_TIMEOUT_S
-                ).committed_step
-            ),
-        )
+
+        def confirm(step: int) -> int:
+            written = pb.CheckpointWritten(shard_id=shard_id, step=step)
+            return stub.ReportCheckpoint(written, timeout=CONTROL_TIMEOUT_S).committed_step
+
+        confirm_dense: Callable[[int], int | None] = confirm
+        if job.embeddings:  # issue 9: step t is confirmed once the dense and the sparse file of t are durable
+            join = CheckpointJoin(("dense", "sparse"), confirm)
+            confirm_dense, confirm_sparse = join.part("dense"), join.part("sparse")
+        writer = CheckpointWriter(Path(job.checkpoint_dir), shard_id, job.checkpoint_keep, confirm_dense)
         member.closing(writer.close)  # closed after the shard: queued snapshots are still written
         policy = CheckpointPolicy(job.checkpoint_every_steps, job.steps, writer.submit)
+    # S4: the shard collects and updates each piece (its range cut at the workers' bucket boundaries) on its own.
+    layout = ParamLayout.from_shapes([p.name for p in job.params], [list(p.shape) for p in job.params])
+    pieces = shard_pieces(layout, ShardRange(shard_id, reply.start, reply.end), job.bucket_bytes)
+    layers = None
+    if norms is not None:  # issue 10: LARS/LAMB need the slice's parameter segments and the peers' partial norms
+        poster = GrpcPoster(
+            lambda: stub.WaitForCluster(_PS_VIEW, timeout=CONTROL_TIMEOUT_S).ps_addresses, member.served.security
+        )
+        member.closing(poster.close)
+        layers = layers_for(job, shard_id, norms.board, poster)
     if reply.resume_step > 0:
         try:
             state = load_state(Path(job.checkpoint_dir), shard_id, reply.start, reply.end, reply.resume_step)
         except CheckpointError as exc:
             log.error("%s", exc)
             return EXIT_JOB_FAILED  # a restart would find the same files
-        shard = ParameterShard.restore(state, job.optimizer, job.lr_schedule, job.workers, policy)
+        shard = PiecedShard.restore(
+            state, pieces, job.optimizer, job.lr_schedule, job.workers, policy, layers, job.push_dtype or pb.FLOAT32
+        )
         log.info("shard %d resumes from its checkpoint of step %d", shard_id, reply.resume_step)
     else:
         initial = fetch_initial(stub, shard_id, reply.end - reply.start)
-        shard = ParameterShard(
-            shard_id, reply.start, reply.end, initial, job.optimizer, job.lr_schedule, job.workers, checkpoints=policy
+        shard = PiecedShard.build(
+            pieces,
+            initial,
+            job.optimizer,
+            job.lr_schedule,
+            job.workers,
+            checkpoints=policy,
+            layers=layers,
+            push_dtype=job.push_dtype or pb.FLOAT32,  # issue 12: UNSPECIFIED (an older spec) is float32
         )
     member.closing(shard.close)  # wakes pulls blocked on a version before the server drains
+    servicer.shared_memory = not job.shared_memory_off  # issue 12
     servicer.attach(shard, job.chunk_bytes)
+    member.closing(servicer.close_shared_memory)  # issue 12: unlink every worker's /dev/shm regions
+    if sparse is not None:  # issue 9: this shard's rows of the sparse embedding tables
+        try:
+            initial_rows = lambda: stub.FetchInitialRows(  # noqa: E731 - init_checkpoint's rows this shard owns
+                pb.InitialParametersRequest(shard_id=shard_id), timeout=300
+            )
+            sparse_shard, sparse_writer = sparse_shard_for(
+                job, shard_id, reply.resume_step, confirm_sparse, initial_rows
+            )
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            return EXIT_JOB_FAILED
+        if sparse_writer is not None:
+            member.closing(sparse_writer.close)  # closed after the tables: queued snapshots are still written
+        member.closing(sparse_shard.close)
+        sparse.attach(sparse_shard)
     member.ready(lambda: stub.ParameterServerReady(pb.PsReadyRequest(shard_id=shard_id), timeout=CONTROL_TIMEOUT_S))
     log.info("shard %d serving [%d, %d) of %d parameters", shard_id, reply.start, reply.end, job.total_params)
     member.stop.wait()
@@ -94,14 +156,20 @@ def serve_shard(member: MemberProcess, servicer: ParameterServerServicer, shard_
 
 def run(args: argparse.Namespace) -> int:
     servicer = ParameterServerServicer()
+    sparse = SparseTablesServicer()
+    norms = LayerNormsServicer()  # issue 10
     member = MemberProcess(
         args,
         "ps",
-        [(add_parameter_server, servicer)],  # issue 12: byte-level Push/Pull serializers,
-        ["ParameterServer"],
+        [
+            (add_parameter_server, servicer),
+            (add_sparse_tables, sparse),
+            (add_layer_norms, norms),
+        ],  # issue 12: byte-level Push/Pull serializers,
+        ["ParameterServer", "SparseTables", "LayerNorms"],
         aio=True,  # issue 12: an asyncio server, so waiting pulls hold no threads
     )
-    return member.run(lambda member: serve_shard(member, servicer, args.shard_id))
+    return member.run(lambda member: serve_shard(member, servicer, args.shard_id, sparse, norms))
 
 
 def main(argv: list[str] | None = None) -> int:

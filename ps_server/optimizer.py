@@ -18,6 +18,7 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.errors import InvalidArgument
+from pstrain.ps_server.layerwise import Layers, build_layerwise
 from pstrain.runtime.optimizers import OPTIMIZERS, UnknownOptimizer, optimizer_entry
 
 UPDATE_THREADS_MAX = 4
@@ -33,14 +34,21 @@ def spec_options(spec: pb.OptimizerSpec) -> dict[str, Any]:
         "weight_decay": spec.weight_decay,
         "betas": (spec.beta1, spec.beta2),
         "eps": spec.eps,
+        "trust_coefficient": spec.trust_coefficient,
+        "exclude_1d": spec.exclude_1d if spec.HasField("exclude_1d") else True,
     }
 
 
-def build_optimizer(param: torch.nn.Parameter, spec: pb.OptimizerSpec, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    param: torch.nn.Parameter, spec: pb.OptimizerSpec, lr: float, layers: Layers | None = None
+) -> torch.optim.Optimizer:
+    """The registry's optimizer over ``param``; a layer-wise one (LARS, LAMB) also needs the slice's ``layers``."""
     try:
         entry = optimizer_entry(spec.name.lower())
     except UnknownOptimizer:
         raise InvalidArgument(f"unsupported optimizer {spec.name!r}; use one of {', '.join(OPTIMIZERS)}") from None
+    if entry.layerwise:
+        return build_layerwise(param, entry.name, lr, spec_options(spec), layers)
     return entry.build(param, lr, spec_options(spec))
 
 

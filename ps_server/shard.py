@@ -41,11 +41,20 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.checkpoint import ShardState
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.layerwise import Layers
 from pstrain.ps_server.optimizer import build_optimizer, step_on_mean
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.schedule import learning_rate
 
 log = logging.getLogger(__name__)
+
+# Issue 12: the dtypes a gradient may be pushed in, as torch and wire dtypes. The accumulator is float32
+# whatever arrives: a bfloat16 push is widened (exactly) as it is copied or added into it.
+PUSH_DTYPES: dict[torch.dtype, int] = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16}
+
+
+def _dtype_name(dtype: int) -> str:
+    return pb.DType.Name(dtype) if dtype in pb.DType.values() else str(dtype)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,8 @@ class ParameterShard:
         version: int = 0,
         optimizer_state: dict[str, Any] | None = None,
         checkpoints: CheckpointPolicy | None = None,
+        layers: Layers | None = None,  # issue 10: parameter segments + norm exchange for LARS/LAMB
+        push_dtype: int = pb.FLOAT32,  # issue 12: the dtype the job pushes gradients in (FLOAT32 | BFLOAT16)
     ) -> None:
         if initial.dtype != torch.float32 or initial.dim() != 1 or initial.numel() != end - start:
             raise InvalidArgument(
@@ -105,6 +116,9 @@ class ParameterShard:
             )
         if workers <= 0:
             raise InvalidArgument(f"a shard needs at least one worker, got {workers}")
+        if push_dtype not in PUSH_DTYPES.values():
+            raise InvalidArgument(f"gradients are pushed as FLOAT32 or BFLOAT16, not {_dtype_name(push_dtype)}")
+        self.push_dtype = push_dtype
         self.shard_id = shard_id
         self.start = start
         self.end = end
@@ -115,7 +129,7 @@ class ParameterShard:
         self._spare: torch.Tensor | None = None  # the previously published buffer, reused once no reader holds it
         self._readers: dict[int, int] = {}  # id(published buffer) -> readers holding it
         self._accum = torch.zeros_like(initial)
-        self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version))
+        self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version), layers)
         if optimizer_state is not None:
             self._optimizer.load_state_dict(optimizer_state)
         self._optimizer_name = optimizer.name
@@ -139,6 +153,7 @@ class ParameterShard:
         schedule: pb.LrSchedule,
         workers: int,
         checkpoints: CheckpointPolicy | None = None,
+        layers: Layers | None = None,
     ) -> ParameterShard:
         """A shard continuing from a checkpoint: its range, optimizer state and version."""
         return cls(
@@ -152,6 +167,7 @@ class ParameterShard:
             version=state.version,
             optimizer_state=state.optimizer,
             checkpoints=checkpoints,
+            layers=layers,
         )
 
     @property
@@ -174,9 +190,10 @@ class ParameterShard:
             raise InvalidArgument(f"push for shard {shard_id} reached shard {self.shard_id}; check the shard map")
         if not 0 <= worker_id < self.workers:
             raise UnknownWorker(f"unknown worker {worker_id}: this job has workers 0..{self.workers - 1}")
-        if dtype != pb.FLOAT32:
+        if dtype != self.push_dtype:
             raise InvalidArgument(
-                f"gradients must be FLOAT32, got {pb.DType.Name(dtype) if dtype in pb.DType.values() else dtype}"
+                f"this job pushes gradients as {_dtype_name(self.push_dtype)} (transport.push_dtype), "
+                f"got {_dtype_name(dtype)}"
             )
         if numel != self.numel:
             raise InvalidArgument(
@@ -197,12 +214,13 @@ class ParameterShard:
         completes without an update, on every shard alike.
         """
         numel = self.numel if grad is None else grad.numel()
-        duplicate = self.check_push(self.shard_id, worker_id, step, device_count, pb.FLOAT32, numel)
+        dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)
+        duplicate = self.check_push(self.shard_id, worker_id, step, device_count, dtype, numel)
         if grad is None and not skip:
             raise InvalidArgument("a push carries a gradient unless it skips the step")
         if grad is not None:
-            if grad.dtype != torch.float32 or grad.dim() != 1:
-                raise InvalidArgument(f"gradient must be a 1-D float32 tensor, got {grad.dtype} {tuple(grad.shape)}")
+            if grad.dim() != 1:
+                raise InvalidArgument(f"gradient must be a 1-D tensor, got shape {tuple(grad.shape)}")
             if not duplicate and not all_finite(grad):
                 raise InvalidArgument(
                     f"worker {worker_id}'s gradient for step {step} has NaN or Inf values; a worker skips such a "
@@ -245,7 +263,7 @@ class ParameterShard:
             grad = self._held.pop(self._summed)
             if grad.numel():
                 if not self._has_sum:
-                    self._accum.copy_(grad)  # the first contribution of a step: no separate zeroing pass
+                    self._accum.copy_(grad)  # the first contribution of a step: no zeroing pass; bf16 widens here
                 else:
                     self._accum.add_(grad)
                 self._has_sum = True

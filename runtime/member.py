@@ -37,6 +37,7 @@ import grpc
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.identity import IdentityHolder
 from pstrain.runtime.lifecycle import (
     add_common_flags,
     advertised_address,
@@ -47,7 +48,7 @@ from pstrain.runtime.lifecycle import (
 )
 from pstrain.runtime.memory_trend import MemoryGuard, host_memory_limit, rss_bytes
 from pstrain.runtime.metrics import serve_metrics
-from pstrain.runtime.security import SecurityError, TransportSecurity, security_from_args
+from pstrain.runtime.security import SecurityError, TransportSecurity, is_loopback, security_from_args
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, ServingServer, host_of, open_channel, start_server
 
 log = logging.getLogger(__name__)
@@ -123,12 +124,22 @@ def start_member_server(
     """Serve (health NOT_SERVING) and start metrics with the common flags; raises SecurityError.
 
     ``aio``: an asyncio server (``transport.start_server``), for services with ``async`` handlers."""
-    security = security_from_args(args)
+    security = security_from_args(args).with_identity(IdentityHolder())  # the credential comes with ``join``
     server = start_server(args.bind, register, service_names, security, aio=aio)
     host = getattr(args, "advertise_host", None)
-    metrics_port = serve_metrics(host_of(args.bind), args.metrics_port)
-    metrics_address = advertised_address(args.bind, metrics_port, host) if metrics_port > 0 else ""
+    metrics = serve_metrics(host_of(args.bind), args.metrics_port, security, getattr(args, "metrics_host", None))
+    metrics_address = metrics_address_of(args.bind, metrics, host)
     return MemberServer(server, advertised_address(args.bind, server.port, host), metrics_address, security)
+
+
+def metrics_address_of(bind: str, metrics: str, host: str | None = None) -> str:
+    """What peers dial for /metrics: loopback stays loopback, a wildcard becomes the advertised host."""
+    if not metrics:
+        return ""
+    bound_host, port = metrics.rsplit(":", 1)
+    if is_loopback(bound_host):
+        return metrics
+    return advertised_address(bind, int(port), host)
 
 
 class MemberProcess:
@@ -220,19 +231,29 @@ class MemberProcess:
     def join(self, register: Callable[[], T]) -> T:
         """Call ``register`` (the member's registration RPC), retrying while the coordinator cannot
         take it yet: it is restarting (UNAVAILABLE) or still winding down the job it failed
-        (FAILED_PRECONDITION). Bounded by ``--connect-timeout-s``; a stop ends it at once."""
+        (FAILED_PRECONDITION). Bounded by ``--connect-timeout-s``; a stop ends it at once. The reply's
+        ``member_credential`` is presented on every later call of this process's channels (issue 8)."""
         deadline = time.monotonic() + self.args.connect_timeout_s
         delay = 0.2
         while True:
             try:
-                return register()
+                reply = register()
             except grpc.RpcError as exc:
                 if exc.code() not in JOIN_RETRYABLE or time.monotonic() + delay > deadline:
                     raise
                 log.info("coordinator cannot take this member yet (%s: %s); retrying", exc.code().name, exc.details())
+            else:
+                self._adopt_credential(reply)
+                return reply
             if self.stop.wait(delay):
                 raise ConnectionError("stopped while joining the job")
             delay = min(2.0, delay * 2)
+
+    def _adopt_credential(self, reply: object) -> None:
+        """Present the credential the registration reply carries (issue 8) on every later call."""
+        credential = getattr(reply, "member_credential", "")
+        if credential and self.served.security.identity is not None:
+            self.served.security.identity.adopt(credential)
 
     def ready(self, announce: Callable[[], object] | None = None) -> None:
         """Health SERVING, the port file, ``announce`` (tell the coordinator), READY=1: in that order,
@@ -302,11 +323,11 @@ class MemberProcess:
                 if self._heartbeat_off.is_set():
                     return
                 silent_s = time.monotonic() - last_answer
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
                     self._abort(
                         EXIT_RESTART,
                         f"the coordinator no longer knows this member ({exc.details()}); "
-                        "it restarted: exiting to rejoin",
+                        "it restarted, or another process registered in this member's place: exiting to rejoin",
                     )
                     return
                 if silent_s > coordinator_timeout_s:

@@ -20,9 +20,13 @@ sum into the mean without a separate pass (``pstrain.ps_server.optimizer.step_on
 
 The entries here are elementwise: applied to a slice of the flat parameter vector they give
 what they give applied to the whole model, which is what makes sharding exact (to the rounding
-above: an element that falls in a slice's unvectorised tail may differ by an ulp). A
-layer-wise optimizer (LARS, LAMB) needs the layer boundaries inside a shard's slice as well; its
-entry's builder would take them as one more argument.
+above: an element that falls in a slice's unvectorised tail may differ by an ulp).
+
+The layer-wise entries (LARS, LAMB: ``layerwise=True``) are not elementwise: their step scales
+each parameter tensor by a trust ratio of norms over the whole tensor, so a shard needs the
+parameter boundaries inside its slice and, for a parameter split across shards, the other
+shards' partial norms. Their builder lives with the shard (``pstrain.ps_server.layerwise``);
+``build`` here refuses, so nothing builds one without its parameter segments by mistake.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-OptimizerName = Literal["sgd", "adam", "adamw"]
+OptimizerName = Literal["sgd", "adam", "adamw", "lars", "lamb"]
 """The names a job file may give ``optimizer.name``; one registry entry each."""
 
 Options = Mapping[str, Any]
@@ -76,6 +80,7 @@ OPTION_RULES: dict[str, Callable[[Any], str | None]] = {
     "weight_decay": _non_negative,
     "betas": _betas,
     "eps": _positive,
+    "trust_coefficient": _positive,
 }
 """Per-option rules shared by every entry that takes the option; ``None`` means the value is fine."""
 
@@ -98,6 +103,8 @@ class OptimizerEntry:
     """Adam-type: the step is normalised per element, so ``lr_scaling: auto`` scales the LR by sqrt."""
     checks: tuple[Callable[[Options], None], ...] = ()
     """Rules across options, run after the per-option ``OPTION_RULES``; they raise ``BadOption``."""
+    layerwise: bool = False
+    """The step uses norms per parameter tensor (a trust ratio): built by ``pstrain.ps_server.layerwise``."""
 
     def validate(self, options: Options) -> None:
         """Raise ``BadOption`` for the first option that breaks a rule; ``options`` maps each of ``self.options``."""
@@ -132,6 +139,13 @@ def _adamw(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Opti
     return torch.optim.AdamW([param], lr=lr, betas=betas, eps=o["eps"], weight_decay=o["weight_decay"], fused=True)
 
 
+def _needs_segments(param: torch.nn.Parameter, lr: float, o: Options) -> torch.optim.Optimizer:
+    raise OptimizerError(
+        "a layer-wise optimizer needs the parameter segments of its slice: build it with "
+        "pstrain.ps_server.layerwise.build_layerwise"
+    )
+
+
 _ADAM_OPTIONS = ("betas", "eps", "weight_decay")
 
 REGISTRY: dict[str, OptimizerEntry] = {
@@ -147,11 +161,29 @@ REGISTRY: dict[str, OptimizerEntry] = {
         ),
         OptimizerEntry("adam", _adam, _ADAM_OPTIONS, state_tensors=2, adaptive=True),
         OptimizerEntry("adamw", _adamw, _ADAM_OPTIONS, state_tensors=2, adaptive=True),
+        # You et al. 2017: SGD with momentum, each tensor's step scaled by eta ||w|| / (||g|| + wd ||w||).
+        OptimizerEntry(
+            "lars",
+            _needs_segments,
+            ("momentum", "weight_decay", "trust_coefficient", "exclude_1d"),
+            state_tensors=1,
+            adaptive=False,
+            layerwise=True,
+        ),
+        # You et al. 2019: Adam's direction plus weight decay, each tensor's step scaled by ||w|| / ||update||.
+        OptimizerEntry(
+            "lamb", _needs_segments, (*_ADAM_OPTIONS, "exclude_1d"), state_tensors=2, adaptive=True, layerwise=True
+        ),
     )
 }
 
 OPTIMIZERS: tuple[str, ...] = tuple(REGISTRY)
 """Registered names, in the order error messages list them."""
+
+ELEMENTWISE: tuple[str, ...] = tuple(name for name, entry in REGISTRY.items() if not entry.layerwise)
+LAYERWISE: tuple[str, ...] = tuple(name for name, entry in REGISTRY.items() if entry.layerwise)
+LARGE_BATCH: tuple[str, ...] = LAYERWISE
+"""What the plan proposes past ``batch.linear_lr_max_global``: the optimizers made for large batches."""
 
 if typing.get_args(OptimizerName) != OPTIMIZERS:
     raise RuntimeError(f"OptimizerName {typing.get_args(OptimizerName)} and the registry {OPTIMIZERS} disagree")

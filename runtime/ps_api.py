@@ -21,7 +21,7 @@ the trainer passes its stop flag as the backoff wait so SIGTERM cuts a backoff s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -89,6 +89,19 @@ class PushHandle:
         return [result_of(f) for f in self.futures]
 
 
+@dataclass
+class PullHandle:
+    """Pulls of some pieces in flight; ``wait`` returns the version they agree on (``pull_pieces``)."""
+
+    futures: list[Future[int]]
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self) -> int:
+        return agreed_version([result_of(f) for f in self.futures])
+
+
 def result_of(future: Future[T]) -> T:
     """``future.result()``, with a future dropped by ``close(cancel=True)`` reported as ``Cancelled``."""
     try:
@@ -125,6 +138,25 @@ class ParameterServerClient(Protocol):
         """
         ...
 
+    def push_pieces(
+        self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
+    ) -> PushHandle:
+        """``push`` of only ``pieces`` (S4, ``runtime.buckets``): each piece ``[start, end)`` of ``flat`` goes to
+        its shard, which collects and updates it apart from its other pieces. The sync rules hold per piece.
+        A piece that is not one of the shard's raises ``InvalidRequest`` (from ``wait``)."""
+        ...
+
+    def skip_pieces(self, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int) -> PushHandle:
+        """``skip_step`` for only ``pieces``: each completes ``step`` without an update."""
+        ...
+
+    def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
+        """Start pulling ``pieces`` at ``min_version`` or newer into their ranges of ``out``; returns at once.
+
+        The caller waits on the handle (per bucket, before the next forward needs it); errors come
+        from ``wait``, as for ``pull``."""
+        ...
+
     def pull(self, min_version: int, out: torch.Tensor) -> int:
         """Wait until every shard is at ``min_version`` or newer, fill ``out``, return the version.
 
@@ -147,12 +179,28 @@ def check_push_buffer(flat: torch.Tensor, total: int) -> None:
         )
 
 
+def round_push(piece: torch.Tensor, push_dtype: torch.dtype) -> torch.Tensor:
+    """A float32 gradient piece as it is pushed (``transport.push_dtype``): as is, or rounded to bfloat16 (nearest
+    even) once. Both clients call this, so the in-memory and the gRPC path hand the shard the same values."""
+    return piece if push_dtype == torch.float32 else piece.to(push_dtype)
+
+
 def check_pull_buffer(out: torch.Tensor, total: int) -> None:
     if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != total or not out.is_contiguous():
         raise InvalidRequest(
             f"pull needs a contiguous 1-D float32 buffer of {total} elements, "
             f"got {out.dtype} of shape {tuple(out.shape)}"
         )
+
+
+def check_pieces(pieces: Sequence[ShardRange], ranges: Sequence[ShardRange]) -> None:
+    """Every piece must lie inside its shard's range (a shard checks it is one of its pieces)."""
+    for p in pieces:
+        if not 0 <= p.shard_id < len(ranges):
+            raise InvalidRequest(f"piece {p} names shard {p.shard_id}; there are {len(ranges)} shards")
+        r = ranges[p.shard_id]
+        if not r.start <= p.start <= p.end <= r.end:
+            raise InvalidRequest(f"piece [{p.start}, {p.end}) is not inside shard {r.shard_id}'s [{r.start}, {r.end})")
 
 
 def agreed_version(versions: list[int]) -> int:

@@ -7,6 +7,12 @@ Push and Pull use the data plane's byte-level serializers (``protos.codec``): a 
 payload is copied once, out of the caller's vector into each message, and a pull's once, out
 of each received message into the caller's buffer.
 
+Colocated (issue 12): a client whose shard listens on this host asks it, with the first push
+for a worker, for a pair of shared-memory regions (``runtime.shm_region``) and uses them if it can
+map both and reads back the announced nonce; pushes then send only the header after copying the
+piece into the push region, and pulls receive only the header and copy the piece out of the pull
+region. Anything else (a remote shard, ``shared_memory=False``, a refusal) streams, as before.
+
 Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
 raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
 ``ps_api.with_retries``).
@@ -15,7 +21,7 @@ raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decid
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -31,11 +37,13 @@ from pstrain.protos.codec import (
     decode_pull_reply,
     encode_push_chunks,
     encode_push_header,
+    wire_dtype,
 )
 from pstrain.runtime.ps_api import (
     Cancelled,
     InvalidRequest,
     PsClientError,
+    PullHandle,
     PushHandle,
     ShardAck,
     StepConflict,
@@ -43,12 +51,15 @@ from pstrain.runtime.ps_api import (
     UnknownWorker,
     WaitTimeout,
     agreed_version,
+    check_pieces,
     check_pull_buffer,
     check_push_buffer,
     result_of,
+    round_push,
 )
 from pstrain.runtime.security import INSECURE, TransportSecurity
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
+from pstrain.runtime.shm_client import SharedMemory
 from pstrain.runtime.transport import full_service_name, open_channel
 
 T = TypeVar("T")
@@ -64,6 +75,7 @@ ERRORS: dict[grpc.StatusCode, type[PsClientError]] = {
 
 
 _SERVICE = full_service_name("ParameterServer")
+PIECE_PULLS = 32  # piece pulls in flight at once (each a blocking RPC in a thread); more wait their turn
 
 
 def _as_is(message: bytes) -> bytes:
@@ -89,6 +101,22 @@ class _ShardStub:
         self.Pull = channel.unary_stream(
             f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_pull_reply
         )
+        # Issue 12: a shared-memory pull's replies are header-only PullReply messages.
+        self.PullShared = channel.unary_stream(
+            f"/{_SERVICE}/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pb.PullReply.FromString,
+        )
+        self.OpenSharedMemory = channel.unary_unary(
+            f"/{_SERVICE}/OpenSharedMemory",
+            request_serializer=pb.ShmRequest.SerializeToString,
+            response_deserializer=pb.ShmRegions.FromString,
+        )
+        self.CloseSharedMemory = channel.unary_unary(
+            f"/{_SERVICE}/CloseSharedMemory",
+            request_serializer=pb.ShmRequest.SerializeToString,
+            response_deserializer=pb.Empty.FromString,
+        )
 
 
 class PsClient:
@@ -102,10 +130,17 @@ class PsClient:
         push_timeout_s: float = 120.0,
         pull_timeout_s: float = 600.0,
         security: TransportSecurity = INSECURE,
+        shared_memory: bool = True,
+        push_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``shared_memory``: use shared memory with shards on this host (``transport.shared_memory: auto``).
+        ``push_dtype``: gradients leave as this (``transport.push_dtype``); each piece is rounded once, as it is
+        encoded, by ``round_push`` (the in-memory client calls the same function)."""
         self.ranges: list[ShardRange] = shard_ranges(total, len(addresses))
         self.total = total
         self._addresses = list(addresses)
+        self._push_dtype = push_dtype
+        self._wire_dtype = wire_dtype(push_dtype)
         self._chunk_bytes = chunk_bytes
         self._push_timeout_s = push_timeout_s
         self._pull_timeout_s = pull_timeout_s
@@ -113,7 +148,16 @@ class PsClient:
         self._cancelled = threading.Event()
         self._channels = [open_channel(a, security) for a in addresses]
         self._stubs = [_ShardStub(c) for c in self._channels]
+        self.shared = SharedMemory(
+            self._addresses,
+            self.ranges,
+            [s.OpenSharedMemory for s in self._stubs],
+            [s.CloseSharedMemory for s in self._stubs],
+            shared_memory,
+        )
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
+        # Piece pulls wait on the shards for the step's update: a pool of their own, so they never hold up a push.
+        self._pulls = ThreadPoolExecutor(max_workers=PIECE_PULLS, thread_name_prefix="ps-pull")
 
     def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
         """Send each shard its slice of ``flat`` (a contiguous float32 CPU vector), concurrently."""
@@ -125,6 +169,28 @@ class PsClient:
     def skip_step(self, worker_id: int, step: int, device_count: int) -> PushHandle:
         return PushHandle([self._submit(self._push_one, r, None, worker_id, step, device_count) for r in self.ranges])
 
+    def push_pieces(
+        self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
+    ) -> PushHandle:
+        """Send each piece of ``flat`` to its shard, concurrently (the header names the piece)."""
+        check_push_buffer(flat, self.total)
+        check_pieces(pieces, self.ranges)
+        futures = [
+            self._submit(self._push_one, p, flat[p.start : p.end], worker_id, step, device_count, True) for p in pieces
+        ]
+        return PushHandle(futures)
+
+    def skip_pieces(self, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int) -> PushHandle:
+        check_pieces(pieces, self.ranges)
+        return PushHandle([self._submit(self._push_one, p, None, worker_id, step, device_count, True) for p in pieces])
+
+    def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
+        check_pull_buffer(out, self.total)
+        check_pieces(pieces, self.ranges)
+        return PullHandle(
+            [self._submit(self._pull_one, p, min_version, out[p.start : p.end], True, pool=self._pulls) for p in pieces]
+        )
+
     def pull(self, min_version: int, out: torch.Tensor) -> int:
         """Fill ``out`` with every shard's parameters at ``min_version`` or newer; return the version."""
         check_pull_buffer(out, self.total)
@@ -134,19 +200,25 @@ class PsClient:
     def close(self, cancel: bool = False) -> None:
         """Release the channels; with ``cancel`` in-flight calls fail at once with ``Cancelled``."""
         self._closed.set()
+        if not cancel:  # the shards unlink this client's regions now, not when they stop
+            self.shared.close()
         if cancel:
             self._cancelled.set()
             for channel in self._channels:
                 channel.close()  # in-flight RPCs end with CANCELLED
         self._pool.shutdown(wait=True, cancel_futures=cancel)
+        self._pulls.shutdown(wait=True, cancel_futures=cancel)
+        self.shared.unmap()
         for channel in self._channels:
             channel.close()
 
-    def _submit(self, fn: Callable[..., T], r: ShardRange, *args: object) -> Future[T]:
+    def _submit(
+        self, fn: Callable[..., T], r: ShardRange, *args: object, pool: ThreadPoolExecutor | None = None
+    ) -> Future[T]:
         if self._closed.is_set():
             raise Cancelled("the parameter-server client is closed")
         try:
-            return self._pool.submit(self._translated, fn, r, *args)
+            return (pool or self._pool).submit(self._translated, fn, r, *args)
         except RuntimeError as exc:  # the pool shut down between the check and the submit
             raise Cancelled("the parameter-server client is closed") from exc
 
@@ -166,18 +238,42 @@ class PsClient:
             raise Cancelled("the parameter-server client was closed") from exc
 
     def _push_one(
-        self, r: ShardRange, piece: torch.Tensor | None, worker_id: int, step: int, device_count: int
+        self,
+        r: ShardRange,
+        piece: torch.Tensor | None,
+        worker_id: int,
+        step: int,
+        device_count: int,
+        is_piece: bool = False,
     ) -> ShardAck:
-        """Stream one shard its piece; ``None`` sends a header-only push that skips the step."""
+        """Stream one shard its slice (or, ``is_piece``, one of its pieces: ``r``); ``None`` skips the step."""
+        if piece is not None:
+            piece = round_push(piece, self._push_dtype)  # bfloat16: half the bytes from here on
         header = pb.PushHeader(
             shard_id=r.shard_id,
             worker_id=worker_id,
             step=step,
             device_count=device_count,
-            dtype=pb.FLOAT32,
+            dtype=self._wire_dtype,
             numel=r.numel,
             skip=piece is None,
         )
+        if is_piece:
+            header.piece_start = r.start
+        regions = self.shared.for_push(r, worker_id) if piece is not None else None
+        if regions is not None and piece is not None:
+            regions.push.data[self.shared.span(r)].copy_(piece)  # the payload's one copy on this side
+            header.shm_nonce = regions.nonce
+            try:
+                reply = self._stubs[r.shard_id].Push(iter((encode_push_header(header),)), timeout=self._push_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ABORTED:  # ABORTED: the shard replaced or dropped the regions
+                    raise
+                self.shared.disable(r.shard_id)
+                header.shm_nonce = b""
+            else:
+                self.shared.count(shared=r.numel * 4)
+                return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
         def requests() -> Iterator[bytes]:
             yield encode_push_header(header)
@@ -185,16 +281,36 @@ class PsClient:
                 yield from encode_push_chunks(piece, self._chunk_bytes)
 
         reply = self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s)
+        self.shared.count(streamed=0 if piece is None else r.numel * piece.element_size())
         return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
-    def _pull_one(self, r: ShardRange, min_version: int, dest: torch.Tensor) -> int:
+    def _pull_one(self, r: ShardRange, min_version: int, dest: torch.Tensor, is_piece: bool = False) -> int:
         assembler = TensorAssembler(torch.float32, r.numel, out=dest)
         version = -1
         request = pb.PullRequest(shard_id=r.shard_id, min_version=min_version)
+        if is_piece:
+            request.piece_start = r.start
+        regions = self.shared.for_pull(r.shard_id)
+        if regions is not None:
+            shared = pb.PullRequest(shm_worker=regions.worker_id, shm_nonce=regions.nonce)
+            shared.MergeFrom(request)
+            try:
+                replies = list(self._stubs[r.shard_id].PullShared(shared, timeout=self._pull_timeout_s))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ABORTED:
+                    raise
+                self.shared.disable(r.shard_id)
+            else:
+                if len(replies) != 1 or replies[0].HasField("chunk"):
+                    raise CodecError("a shared-memory pull is answered with one header-only reply")
+                dest.copy_(regions.pull.data[self.shared.span(r)])  # the payload's one copy on this side
+                self.shared.count(shared=r.numel * 4)
+                return replies[0].version
         for reply in self._stubs[r.shard_id].Pull(request, timeout=self._pull_timeout_s):
             if isinstance(reply, CodecError):
                 raise reply
             version = reply.version
             assembler.add(reply.chunk)
         assembler.result()
+        self.shared.count(streamed=r.numel * 4)
         return version

@@ -3,13 +3,24 @@
 Both are optional and independent. With TLS every channel is mutually authenticated (the
 server demands a client certificate signed by the cluster CA). With a token every RPC except
 the health service must carry ``authorization: Bearer <token>``; the server compares it in
-constant time and answers UNAUTHENTICATED otherwise. The token is never logged.
+constant time and answers UNAUTHENTICATED otherwise (counted and logged by ``refusals``, never
+the token).
+
+Secure by default: a service that listens on anything but loopback with neither a token nor TLS
+refuses to start (``check_exposure``, exit 2) unless the operator passes ``--insecure``, which is
+logged as a warning. ``pstrain local`` binds 127.0.0.1 and needs neither.
+
+Each member also presents its own credential (``identity``) on every call of its channels: the
+bearer token says "one of us", the credential says "which one".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
+import ipaddress
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from pstrain.runtime.identity import IdentityHolder
+from pstrain.runtime.refusals import note_refusal
+
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "PSTRAIN_TOKEN"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -32,10 +48,15 @@ class TransportSecurity:
     cert_pem: bytes | None = None
     key_pem: bytes | None = None
     token: str | None = None
+    paths: tuple[str, str, str] | None = None  # (ca, cert, key) files: the metrics endpoint's TLS needs paths
+    identity: IdentityHolder | None = None  # this member's credential, attached to every call once registered
 
     @property
     def tls(self) -> bool:
         return self.ca_pem is not None
+
+    def with_identity(self, identity: IdentityHolder) -> TransportSecurity:
+        return dataclasses.replace(self, identity=identity)
 
     def __repr__(self) -> str:  # never print key material or the token
         return f"TransportSecurity(tls={self.tls}, token={'set' if self.token else 'unset'})"
@@ -63,7 +84,8 @@ class TransportSecurity:
             token = (env if env is not None else os.environ).get(TOKEN_ENV) or None
         if token is not None and not token:
             raise SecurityError(f"the token in {token_file} is empty")
-        return cls(pems.get("--tls-ca"), pems.get("--tls-cert"), pems.get("--tls-key"), token)
+        files = (ca, cert, key) if ca and cert and key else None
+        return cls(pems.get("--tls-ca"), pems.get("--tls-cert"), pems.get("--tls-key"), token, files)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls:
@@ -82,7 +104,10 @@ class TransportSecurity:
         return [TokenCheck(self.token)] if self.token else []
 
     def client_interceptors(self) -> list[Any]:
-        return [TokenAttach(self.token)] if self.token else []
+        interceptors: list[Any] = [TokenAttach(self.token)] if self.token else []
+        if self.identity is not None:
+            interceptors.append(HeaderAttach(self.identity.headers))
+        return interceptors
 
 
 INSECURE = TransportSecurity()
@@ -101,16 +126,59 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-cert", help="this process's certificate (PEM), used as server and client")
     group.add_argument("--tls-key", help="this process's private key (PEM)")
     group.add_argument("--token-file", help=f"file holding the shared bearer token (else ${TOKEN_ENV})")
+    group.add_argument(
+        "--metrics-host",
+        help="address /metrics listens on (default: 127.0.0.1; with mutual TLS the --bind host, HTTPS with client "
+        "certificates)",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening on a non-loopback address with neither a token nor TLS (anyone who reaches the port "
+        "may join, push and read the model)",
+    )
 
 
 def security_from_args(args: argparse.Namespace) -> TransportSecurity:
-    return TransportSecurity.load(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
+    """The settings, refused (SecurityError, exit 2) when they would expose the service (``check_exposure``)."""
+    security = TransportSecurity.load(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
+    bind = getattr(args, "bind", None)
+    if bind is not None:
+        check_exposure(bind, security, getattr(args, "insecure", False))
+    return security
 
 
-def _abort_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(bind: str, security: TransportSecurity, insecure: bool) -> None:
+    """Refuse to listen beyond loopback with neither a token nor mTLS, unless ``insecure`` (then warn)."""
+    host = bind.rsplit(":", 1)[0]
+    if security.token or security.tls or is_loopback(host):
+        return
+    if insecure:
+        log.warning(
+            "--insecure: listening on %s with neither a token nor TLS; anyone who reaches it can join the job", bind
+        )
+        return
+    raise SecurityError(
+        f"refusing to listen on {bind} with neither a token nor TLS: pass --token-file FILE (or set ${TOKEN_ENV}), "
+        "or --tls-ca/--tls-cert/--tls-key for mutual TLS, or bind 127.0.0.1; --insecure starts anyway"
+    )
+
+
+def _abort_handler(handler: grpc.RpcMethodHandler, message: str, method: str = "") -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as ``handler`` that refuses the call."""
 
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        note_refusal(grpc.StatusCode.UNAUTHENTICATED, method, context.peer(), message)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
@@ -139,7 +207,8 @@ class TokenCheck(grpc.ServerInterceptor):
         if hmac.compare_digest(str(presented).encode(), self._expected):
             return handler
         reason = "missing" if not presented else "invalid"
-        return _abort_handler(handler, f"{reason} bearer token: send metadata 'authorization: Bearer <token>'")
+        message = f"{reason} bearer token: send metadata 'authorization: Bearer <token>'"
+        return _abort_handler(handler, message, handler_call_details.method)
 
 
 class _CallDetails(grpc.ClientCallDetails):
@@ -152,19 +221,20 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = details.compression
 
 
-class TokenAttach(
+class HeaderAttach(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+    """Adds the headers ``headers()`` returns at call time to every call of a channel."""
 
-    def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
+    def __init__(self, headers: Callable[[], list[tuple[str, str]]]) -> None:
+        self._headers = headers
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _CallDetails(details, [*(details.metadata or ()), self._header])
+        extra = self._headers()
+        return _CallDetails(details, [*(details.metadata or ()), *extra]) if extra else details
 
     def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return continuation(self._details(client_call_details), request)
@@ -177,3 +247,11 @@ class TokenAttach(
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return continuation(self._details(client_call_details), request_iterator)
+
+
+class TokenAttach(HeaderAttach):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        header = [("authorization", f"Bearer {token}")]
+        super().__init__(lambda: header)

@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.runtime.metrics import REJECTED
+from pstrain.runtime.refusals import note_refusal
 from pstrain.runtime.security import INSECURE, TransportSecurity
 
 log = logging.getLogger(__name__)
@@ -243,13 +243,11 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
         return None
 
     def refuse(context: grpc.ServicerContext, code: grpc.StatusCode, rpc: str, exc: Exception) -> None:
-        REJECTED.labels(code.name).inc()
-        log.warning("%s from %s refused: %s: %s", rpc, context.peer(), code.name, exc)
+        note_refusal(code, rpc, context.peer(), str(exc))
         context.abort(code, str(exc))
 
     async def refuse_async(context: grpc.aio.ServicerContext, code: grpc.StatusCode, rpc: str, exc: Exception) -> None:
-        REJECTED.labels(code.name).inc()
-        log.warning("%s from %s refused: %s: %s", rpc, context.peer(), code.name, exc)
+        note_refusal(code, rpc, context.peer(), str(exc))
         await context.abort(code, str(exc))
 
     def decorate(method):  # type: ignore[no-untyped-def]

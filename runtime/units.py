@@ -2,6 +2,11 @@
 
 Shared by the job-file schema, the plan and the memory planner, so that reading a size does
 not make the schema depend on the planner.
+
+Units follow SI/IEC as disk and network vendors write them: ``KB``/``MB``/``GB``/``TB`` are
+decimal (``16GB`` = 16e9 bytes, ``12GB/s`` = 12e9 bytes per second, as PCIe and NIC rates are
+quoted) and ``KiB``/``MiB``/``GiB``/``TiB`` are binary (``16GiB`` = 16 * 2**30, as GPU and host
+memory is sized; prefer them for ``memory.device_memory``/``host_memory``). Case does not matter.
 """
 
 from __future__ import annotations

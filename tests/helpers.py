@@ -32,6 +32,22 @@ def classification_set(n: int = 16, inputs: int = 5, classes: int = 4, seed: int
     return TensorDataset(torch.randn(n, inputs, generator=gen), torch.randint(0, classes, (n,), generator=gen))
 
 
+class PacedDataset(Dataset):
+    """``classification_set`` whose samples take ``sample_s`` each to read: a job that cannot finish
+    before a test has had time to act on it (a kill at step 7 of a job that is already over tests nothing)."""
+
+    def __init__(self, n: int = 16, sample_s: float = 0.02) -> None:
+        self.inner = classification_set(n)
+        self.sample_s = sample_s
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.sample_s)
+        return self.inner[index]
+
+
 class FailingDataset(Dataset):
     """Raises when a worker reads sample ``fail_at`` (the coordinator only asks for its length)."""
 

@@ -196,3 +196,45 @@ def test_units_pass_systemd_analyze_verify(deployed, tmp_path):
     )
     problems = [line for line in result.stderr.splitlines() if "pstrain" in line]
     assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_a_token_is_generated_once_per_cluster_and_installed_0600(deployed, tmp_path):
+    """Issue 8: the services refuse a public address without a token, so the playbook always deploys one."""
+    root, _, _ = deployed
+    installed = root / "etc/pstrain/token"
+    token = installed.read_text().strip()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token) and installed.stat().st_mode & 0o777 == 0o600
+    (store,) = (root.parent).glob("pstrain-credentials/*-token")  # beside the inventory, on the controller
+    assert store.read_text().strip() == token  # the same token for every host and every run
+    for unit in (root / "etc/systemd/system").iterdir():
+        assert "--token-file /etc/pstrain/token" in unit.read_text() and "--insecure" not in unit.read_text()
+        assert token not in unit.read_text()
+
+
+def test_an_inventory_token_is_used_as_given(tmp_path):
+    root = tmp_path / "root"
+    (root / "etc/pstrain").mkdir(parents=True)
+    inventory = tmp_path / "inventory.yml"
+    given = "from-the-vault-0123456789"
+    variables = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "pstrain_root": str(root),
+        "pstrain_manage_services": False,
+        "pstrain_create_user": False,
+        "pstrain_become": False,
+        "pstrain_user": getpass.getuser(),
+        "pstrain_group": grp.getgrgid(os.getgid()).gr_name,
+        "pstrain_token": given,
+    }
+    inventory.write_text(
+        yaml.safe_dump(
+            {"all": {"vars": variables, "children": {g: {"hosts": {"localhost": None}} for g in ("coordinator",)}}}
+        )
+    )
+    result = playbook(tmp_path, inventory, "--tags", "pstrain_token", "--limit", "coordinator")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert given not in result.stdout  # no_log
+    assert (root / "etc/pstrain/token").read_text().strip() == given
+    assert (root / "etc/pstrain/token").stat().st_mode & 0o777 == 0o600
+    assert not (tmp_path / "pstrain-credentials").exists()  # nothing generated

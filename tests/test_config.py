@@ -110,8 +110,8 @@ def test_plan_warmup_is_linear():
 @pytest.mark.parametrize(
     "raw, match",
     [
-        (with_("optimizer", name="lbfgs"), r"^optimizer\.name: 'lbfgs' is not one of sgd, adam, adamw$"),
-        (with_("optimizer", name=3), r"^optimizer\.name: 3 is not one of sgd, adam, adamw$"),
+        (with_("optimizer", name="lbfgs"), r"^optimizer\.name: 'lbfgs' is not one of sgd, adam, adamw, lars, lamb$"),
+        (with_("optimizer", name=3), r"^optimizer\.name: 3 is not one of sgd, adam, adamw, lars, lamb$"),
         (with_("batch", lr_scaling="cubic"), r"^batch\.lr_scaling: 'cubic' is not one of linear, sqrt, none, auto$"),
         (with_("memory", policy="offload"), r"^memory\.policy: 'offload' is not one of auto, keep, swap$"),
         (with_("memory", estimate="guess"), r"^memory\.estimate: 'guess' is not one of factor, increment, iterative$"),
@@ -124,7 +124,7 @@ def test_choice_fields_list_the_allowed_values(raw, match):
 
 
 def test_choice_fields_are_checked_when_built_in_code_too():
-    with pytest.raises(ConfigError, match=r"^optimizer\.name: 'lbfgs' is not one of sgd, adam, adamw$"):
+    with pytest.raises(ConfigError, match=r"^optimizer\.name: 'lbfgs' is not one of sgd, adam, adamw, lars, lamb$"):
         OptimizerConfig(name="lbfgs")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^memory\.estimate: 'guess' is not one of"):
         MemoryConfig(estimate="guess")  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pstrain.launcher.local_cluster import Supervision, supervise
 from tests.helpers import (
     communicate_or_dump,
     metrics_lines,
@@ -119,3 +120,37 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert "model.factory: module 'tests.helpers' has no attribute 'no_such_model'" in result.stderr
     assert not (tmp_path / "out" / "logs" / "coordinator.log").exists(), "refused before starting anything"
     assert not pids_with_marker(marker)
+
+
+# ------------------------------------------------------------------ the restart decision, without processes
+
+
+def test_supervise_restarts_a_worker_or_a_killed_coordinator_alone():
+    decision = supervise([("worker-1", -9)], True, 3, {}, 0)
+    assert decision == Supervision(None, (("worker-1", -9),))
+    assert supervise([("coordinator", -9)], True, 3, {}, 0) == Supervision(None, (("coordinator", -9),))
+    assert supervise([("coordinator", -9), ("worker-0", 1)], True, 3, {}, 0).alone == (
+        ("coordinator", -9),
+        ("worker-0", 1),
+    )
+
+
+def test_supervise_restarts_the_cluster_past_the_limits_or_without_replacement():
+    assert supervise([("worker-1", -9)], True, 3, {"worker-1": 3}, 0).cluster == ("worker-1", -9)
+    assert supervise([("worker-1", -9)], False, 3, {}, 0).cluster == ("worker-1", -9)
+    assert supervise([("coordinator", -9)], True, 3, {}, 3).cluster == ("coordinator", -9)
+    assert supervise([("coordinator", 1)], True, 3, {}, 0).cluster == ("coordinator", 1)  # it failed the job
+
+
+def test_supervise_a_ps_kill_seen_with_its_echoes_restarts_the_cluster_and_nobody_alone():
+    """A PS shard killed while a worker is replaced or the coordinator restarts alone: the members that
+    lost it exit too, some with 2 or 3; the killed shard decides, so the job is not given up."""
+    for echoes in ([("worker-0", 3)], [("coordinator", 3)], [("coordinator", -9), ("worker-1", 2)]):
+        dead = [*echoes, ("ps-1", -9)]  # in the launcher's process order, the PS shard last
+        assert supervise(dead, True, 3, {}, 0) == Supervision(("ps-1", -9))
+
+
+def test_supervise_gives_up_only_when_every_death_is_final():
+    assert supervise([("worker-0", 3), ("worker-1", 3)], True, 3, {}, 0).cluster == ("worker-0", 3)
+    assert supervise([("ps-0", 3)], True, 3, {}, 0).cluster == ("ps-0", 3)  # its checkpoint cannot be loaded
+    assert supervise([("coordinator", -9), ("worker-1", 3)], True, 3, {}, 0).cluster == ("worker-1", 3)

@@ -205,6 +205,14 @@ def test_nothing_fits_reports_zero():
     assert max_batch(synthetic(params=10**9), MemoryBudget(10**6, 1e10), allow_swap=True) == 0
 
 
+def test_parse_bytes_units_are_decimal_for_gb_and_binary_for_gib():
+    assert parse_bytes("16GB") == 16_000_000_000 and parse_bytes("16GiB") == 16 * 1024**3
+    assert parse_bytes("512mb") == 512 * 10**6 and parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5 KiB") == 1536 and parse_bytes("2TB") == 2 * 10**12 and parse_bytes("1e9") == 10**9
+    with pytest.raises(ValueError):
+        parse_bytes("16Gb!")
+
+
 def test_parse_bytes():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("12GB/s") == 12 * 10**9 and parse_bytes("1e3") == 1000
     with pytest.raises(ValueError):
@@ -226,7 +234,7 @@ def job_plan(**sections):
     from pstrain.coordinator.model_state import ModelState
 
     model = ModelState(cfg)
-    return plan_job(cfg, model.model, classification_set(64), model.layout.total)
+    return plan_job(cfg, model.model, classification_set(4096), model.layout.total)  # data set over the largest batch
 
 
 def test_auto_batch_takes_the_largest_that_fits_capped_by_the_user():

@@ -35,6 +35,15 @@ def test_metrics_move_while_training(live_cluster):
     before = {a: scrape(a) for a in [*ps, *workers, coordinator]}
     seen = metrics_lines(live_cluster.out)
     wait_for(lambda: metrics_lines(live_cluster.out) >= seen + 3, 60, "three more steps")
+    # A worker counts a step once its new parameters have all arrived, which with overlapped pulls is during
+    # the next forward: its gauge may trail the coordinator's record by a step for a moment.
+    wait_for(
+        lambda: all(
+            value(scrape(a), "pstrain_worker_step") >= value(before[a], "pstrain_worker_step") + 3 for a in workers
+        ),
+        60,
+        "three more steps on every worker",
+    )
     after = {a: scrape(a) for a in [*ps, *workers, coordinator]}
 
     for a in ps:

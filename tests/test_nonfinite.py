@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import uuid
 from pathlib import Path
 
 import torch
 
+from pstrain.coordinator import job as job_module
 from pstrain.coordinator.job import JobState
 from pstrain.coordinator.ledger import StepRecord, StepReport
 from pstrain.coordinator.service import CoordinatorServicer
@@ -59,6 +61,48 @@ def test_a_nonfinite_report_under_stop_fails_the_job_naming_step_and_worker(tmp_
     assert [r.step for r in job.records] == [0], "the non-finite step must not be recorded"
     assert job.report_step(report(0, 2)).stop and job.heartbeat("worker", 0).stop
     assert len(metrics_of(tmp_path)) == 1
+    job.close()
+
+
+def test_a_stop_one_step_ahead_of_a_slower_peer_records_every_step_before_it(tmp_path):
+    """Worker 1 reports step 2 non-finite before worker 0's report of step 1 arrives (it pipelines):
+    the stop waits for that report, so steps 0 and 1 are recorded however the reports interleave."""
+    job, _, _, _ = make_job(tmp_path)
+    start(job)
+    for worker in (0, 1):
+        job.report_step(report(worker, 0))
+    job.report_step(report(1, 1))
+    waiting = threading.Event()
+    real_wait = job._cond.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waiting.set()  # the stop released the lock to wait for step 1
+        return real_wait(timeout)
+
+    job._cond.wait = wait
+    stopped: list[object] = []
+    stopper = threading.Thread(target=lambda: stopped.append(job.report_step(nonfinite(1, 2))))
+    stopper.start()
+    assert waiting.wait(10.0) and not job.state.over and job.ledger.completed == 1
+    job.report_step(report(0, 1))
+    stopper.join(timeout=30)
+    assert not stopper.is_alive() and stopped[0].stop
+    assert job.state == JobState.FAILED and "at step 2" in job.message
+    assert [r.step for r in job.records] == [0, 1]
+    assert [line["step"] for line in metrics_of(tmp_path)] == [0, 1]
+    job.close()
+
+
+def test_a_stop_stands_in_for_a_peer_report_that_never_comes(tmp_path, monkeypatch):
+    monkeypatch.setattr(job_module, "NONFINITE_SETTLE_S", 0.2)
+    job, _, _, _ = make_job(tmp_path)
+    start(job)
+    for worker in (0, 1):
+        job.report_step(report(worker, 0))
+    job.report_step(report(1, 1))
+    assert job.report_step(nonfinite(1, 2)).stop
+    assert job.state == JobState.FAILED and [r.step for r in job.records] == [0, 1]
+    assert job.records[1].global_batch == 16  # worker 0's share was pushed (worker 1 trained on version 2)
     job.close()
 
 

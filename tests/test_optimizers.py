@@ -14,9 +14,12 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.errors import InvalidArgument
 from pstrain.ps_server.optimizer import UPDATE_THREADS_MAX, build_optimizer, spec_options, step_on_mean, update_threads
 from pstrain.runtime.optimizers import (
+    ELEMENTWISE,
+    LAYERWISE,
     OPTIMIZERS,
     REGISTRY,
     BadOption,
+    OptimizerError,
     OptimizerName,
     UnknownOptimizer,
     optimizer_entry,
@@ -46,7 +49,7 @@ def three_steps(make, seed=0):
     return param.detach(), opt
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_entry_steps_exactly_like_torch(name):
     entry = optimizer_entry(name)
     options = {k: OPTIONS[k] for k in entry.options}
@@ -57,7 +60,7 @@ def test_entry_steps_exactly_like_torch(name):
     assert not torch.equal(ours, three_steps(lambda p, lr: torch.optim.SGD([p], lr=lr))[0])
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_shard_builder_reads_the_wire_spec_into_the_registry(name):
     spec = pb.OptimizerSpec(
         name=name.upper(), momentum=0.9, nesterov=True, weight_decay=0.01, beta1=0.8, beta2=0.99, eps=1e-6
@@ -76,7 +79,7 @@ def test_unknown_name():
         build_optimizer(torch.nn.Parameter(torch.zeros(3)), pb.OptimizerSpec(name="lbfgs"), 0.1)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_state_tensor_count_matches_what_torch_keeps(name):
     entry = optimizer_entry(name)
     _, opt = three_steps(lambda p, lr: entry.build(p, lr, {k: OPTIONS[k] for k in entry.options}))
@@ -112,7 +115,7 @@ def test_validation_names_the_option(name, change, option, message):
     assert caught.value.option == option and caught.value.message.startswith(message)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_fused_entries_stay_within_rounding_of_the_for_loop_kernels(name):
     entry = optimizer_entry(name)
     ours, opt = three_steps(lambda p, lr: entry.build(p, lr, {k: OPTIONS[k] for k in entry.options}))
@@ -130,7 +133,7 @@ def sum_and_mean(devices, seed=1):
     return total, total / devices
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("devices", [1, 3, 8])
 def test_step_on_mean_divides_inside_the_fused_kernel(name, devices):
     entry = optimizer_entry(name)
@@ -150,7 +153,7 @@ def test_step_on_mean_divides_inside_the_fused_kernel(name, devices):
     assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", ELEMENTWISE)
 def test_step_on_mean_of_an_unfused_optimizer_divides_first(name):
     """State loaded from a checkpoint written before the fused kernels keeps ``fused`` off."""
     ours = torch.nn.Parameter(torch.linspace(-1, 1, 257))
@@ -175,3 +178,19 @@ def test_step_on_mean_refuses_no_devices():
 def test_update_threads_leaves_cores_to_the_worker_and_grpc(cpus, threads):
     assert update_threads(cpus) == threads
     assert 1 <= update_threads() <= UPDATE_THREADS_MAX
+
+
+def test_layerwise_entries_refuse_to_build_without_segments():
+    """LARS and LAMB need the slice's parameter boundaries: ``pstrain.ps_server.layerwise`` builds them."""
+    assert LAYERWISE == ("lars", "lamb") and set(ELEMENTWISE) | set(LAYERWISE) == set(OPTIMIZERS)
+    assert [(optimizer_entry(n).state_tensors, optimizer_entry(n).adaptive) for n in LAYERWISE] == [
+        (1, False),
+        (2, True),
+    ]
+    for name in LAYERWISE:
+        entry = optimizer_entry(name)
+        entry.validate({k: {**OPTIONS, "trust_coefficient": 0.001, "exclude_1d": True}[k] for k in entry.options})
+        with pytest.raises(OptimizerError, match="parameter segments"):
+            entry.build(torch.nn.Parameter(torch.zeros(3)), 0.1, {})
+    with pytest.raises(BadOption, match="must be positive"):
+        optimizer_entry("lars").validate({"momentum": 0.9, "weight_decay": 0.0, "trust_coefficient": 0.0})

@@ -29,7 +29,7 @@ from pstrain.runtime.ps_api import (
     WaitTimeout,
 )
 from pstrain.runtime.ps_client import PsClient
-from pstrain.runtime.shard_map import shard_ranges
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
 from pstrain.runtime.transport import start_server
 
 TOTAL = 11
@@ -231,3 +231,42 @@ def test_close_lets_calls_finish_and_refuses_new_ones(cluster: Cluster) -> None:
     assert len(acks.wait()) == SHARDS
     with pytest.raises(Cancelled):
         client.pull(0, torch.empty(TOTAL))
+
+
+# ---------------------------------------------------------------------- S4: pieces
+
+
+def test_pieces_push_and_pull_like_whole_shards(cluster: Cluster) -> None:
+    workers = [cluster.connect(), cluster.connect()]
+    pieces = shard_ranges(TOTAL, SHARDS)  # one piece per shard here; test_overlap cuts shards finer
+    out = torch.zeros(TOTAL)
+    ref = torch.nn.Parameter(cluster.initial.clone())
+    opt = torch.optim.SGD([ref], lr=0.5, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(2):
+        g0, g1 = torch.randn(TOTAL, generator=gen), torch.randn(TOTAL, generator=gen)
+        pulled = workers[0].pull_pieces(step + 1, out, pieces[::-1])  # started before the step can complete
+        assert workers[0].push_pieces(g0, pieces, 0, step, 2).wait() == [
+            ShardAck(i, step, duplicate=False, completed=False) for i in range(SHARDS)
+        ]
+        assert not pulled.done()
+        assert [a.completed for a in workers[1].push_pieces(g1, pieces, 1, step, 2).wait()] == [True, True]
+        assert pulled.wait() == step + 1
+        ref.grad = (g0 + g1) / 4
+        opt.step()
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_range_that_is_not_a_piece_is_refused_and_changes_nothing(cluster: Cluster) -> None:
+    client = cluster.connect(pull_timeout_s=2.0)
+    whole = shard_ranges(TOTAL, SHARDS)[0]
+    part = ShardRange(whole.shard_id, whole.start, whole.end - 1)
+    with pytest.raises(InvalidRequest):
+        client.push_pieces(torch.ones(TOTAL), [part], 0, 0, 1).wait()
+    with pytest.raises(InvalidRequest):
+        client.pull_pieces(0, torch.empty(TOTAL), [ShardRange(0, 1, whole.end)]).wait()
+    with pytest.raises(InvalidRequest):  # outside its shard: the client refuses it at once
+        client.push_pieces(torch.ones(TOTAL), [ShardRange(0, 0, TOTAL)], 0, 0, 1)
+    out = torch.empty(TOTAL)
+    assert client.pull(0, out) == 0 and torch.equal(out, cluster.initial)
+    assert all(s.snapshot().pushes_waiting == 0 for s in cluster.shards)

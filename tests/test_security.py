@@ -203,3 +203,104 @@ def test_push_without_token_leaves_the_shard_unchanged(pki):
         assert reply.completed and shard.version == 1
     finally:
         server.stop(0)
+
+
+# ------------------------------------------------------------------ issue 8: secure by default, refusals visible
+
+
+def flags(*argv: str):  # type: ignore[no-untyped-def]
+    import argparse
+
+    from pstrain.runtime.security import add_security_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bind")
+    add_security_flags(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_a_public_address_without_token_or_tls_is_refused_unless_insecure(pki, caplog):
+    from pstrain.runtime.security import security_from_args
+
+    _, token_file = pki
+    with pytest.raises(SecurityError) as err:
+        security_from_args(flags("--bind", "0.0.0.0:7070"))
+    for flag in ("--insecure", "--token-file", "--tls-ca", "--tls-cert", "--tls-key"):
+        assert flag in str(err.value)
+    for bind in ("127.0.0.1:0", "localhost:7070", "[::1]:0"):
+        assert security_from_args(flags("--bind", bind)).token is None
+    assert security_from_args(flags("--bind", "0.0.0.0:0", "--token-file", str(token_file))).token == TOKEN
+    with caplog.at_level("WARNING", logger="pstrain.runtime.security"):
+        security_from_args(flags("--bind", "0.0.0.0:0", "--insecure"))
+    assert "--insecure" in caplog.text and "neither a token nor TLS" in caplog.text
+
+
+@pytest.mark.parametrize("module", ["pstrain.coordinator", "pstrain.ps_server"])
+def test_a_service_on_a_public_address_without_token_exits_2(tmp_path, module):
+    args = ["--config", str(write_job(tmp_path / "job.yaml"))] if module == "pstrain.coordinator" else []
+    if module == "pstrain.ps_server":
+        args = ["--coordinator", "127.0.0.1:1", "--shard-id", "0", "--connect-timeout-s", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args, "--bind", "0.0.0.0:0", "--metrics-port", "-1"],
+        cwd=REPO_ROOT,
+        env=child_env(uuid.uuid4().hex),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--insecure" in done.stderr and "--token-file" in done.stderr
+
+
+def test_unauthenticated_calls_are_counted_and_logged_without_the_token(caplog):
+    from pstrain.runtime.metrics import REJECTED
+
+    sec = TransportSecurity(token=TOKEN)
+    servicer = ParameterServerServicer()
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], sec, aio=True)
+    before = REJECTED.labels("UNAUTHENTICATED")._value.get()
+    try:
+        with caplog.at_level("WARNING"):
+            for token in (None, "wrong-" + TOKEN):
+                wrong = TransportSecurity(token=token)
+                with open_channel(f"127.0.0.1:{server.port}", wrong) as channel, pytest.raises(grpc.RpcError) as err:
+                    pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(0)
+    assert REJECTED.labels("UNAUTHENTICATED")._value.get() == before + 2
+    lines = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert len(lines) == 2 and all("/pstrain.v1.ParameterServer/GetShardStatus" in line for line in lines)
+    assert all("ipv" in line for line in lines)  # the peer
+    assert TOKEN not in caplog.text
+
+
+def test_refusal_logs_are_rate_limited():
+    from pstrain.runtime.refusals import RateLimitedLog
+
+    now = [0.0]
+    limiter = RateLimitedLog(burst=3, window_s=10.0, clock=lambda: now[0])
+    key = ("PERMISSION_DENIED", "Push")
+    assert [limiter.admit(key) for _ in range(5)] == [0, 0, 0, None, None]
+    assert limiter.admit(("PERMISSION_DENIED", "Pull")) == 0  # another method has its own budget
+    now[0] = 10.0
+    assert limiter.admit(key) == 2  # the next window's first line says how many were left out
+
+
+def test_metrics_are_served_over_tls_with_client_certificates(secure_coordinator, pki):
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    bundle, _ = pki
+    address = job_status(secure_coordinator, security(pki)).metrics_address
+    assert address.startswith("127.0.0.1:")
+    context = ssl.create_default_context(cafile=str(bundle.ca))
+    context.load_cert_chain(str(bundle.cert), str(bundle.key))
+    text = urllib.request.urlopen(f"https://{address}/metrics", context=context, timeout=10).read().decode()
+    assert "pstrain_rejected_requests_total" in text or "process_resident_memory_bytes" in text
+    anonymous = ssl.create_default_context(cafile=str(bundle.ca))
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        urllib.request.urlopen(f"https://{address}/metrics", context=anonymous, timeout=10).read()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read()

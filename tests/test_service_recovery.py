@@ -2,9 +2,11 @@
 
 A tiny supervisor stands in for systemd (restart a unit that exits with anything but 0, 2 or 3,
 after ``RestartSec``; ports fixed as the units fix them). kill -9 a PS shard, a worker or the
-coordinator mid-job: the restarted member re-registers, the coordinator fails the job retryably,
+worker mid-job: the restarted member re-registers, the coordinator fails the job retryably,
 every member exits 1 and is restarted, the restarted coordinator resumes from the last committed
-checkpoint, and the job finishes with the model of a fault-free run.
+checkpoint, and the job finishes with the model of a fault-free run. kill -9 the coordinator: the
+restarted one takes the job back from its journal and no member is restarted (no rollback). So
+does ``systemctl restart`` of the coordinator (SIGTERM, then a new start): a stop is not a failure.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from tests.helpers import child_env, metrics_lines, pids_with_marker, run_local, wait_for, write_job
 
-STEPS = 18
+STEPS = 30
 RESTART_S = 0.5  # RestartSec
 NOT_RESTARTED = (0, 2, 3)  # success, RestartPreventExitStatus=2 3
 
@@ -79,11 +81,11 @@ class Unit:
 def job_file(path: Path, checkpoints: Path) -> Path:
     return write_job(
         path,
-        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": 37}, "shard_size": 3},
+        data={"factory": "tests.helpers:PacedDataset", "kwargs": {"n": 37}, "shard_size": 3},
         job={"steps": STEPS, "seed": 13},
         checkpoint={"every_steps": 3, "keep": 2, "dir": str(checkpoints)},
         transport={"heartbeat_s": 0.5, "heartbeat_timeout_s": 8.0},
-        fault={"coordinator_timeout_s": 20.0},
+        fault={"coordinator_timeout_s": 20.0, "replace_timeout_s": 0},  # rollback; see test_worker_replacement
     )
 
 
@@ -118,8 +120,12 @@ def units(tmp: Path, job: Path, marker: str, log: IO[bytes]) -> list[Unit]:
     return found
 
 
-@pytest.mark.parametrize("victim", ["ps-1", "worker-0", "coordinator"])
+@pytest.mark.parametrize("victim", ["ps-1", "worker-0", "coordinator", "coordinator-sigterm"])
 def test_services_restarted_like_systemd_finish_with_the_fault_free_model(tmp_path, reference, victim):
+    """``coordinator-sigterm`` is ``systemctl restart``: SIGTERM (an orderly exit 0, which
+    ``Restart=on-failure`` would not restart), then started again at once."""
+    sigterm = victim.endswith("-sigterm")
+    victim = victim.removesuffix("-sigterm")
     job = job_file(tmp_path / "job.yaml", tmp_path / "ckpt")
     marker = uuid.uuid4().hex
     out = tmp_path / "out"
@@ -138,8 +144,12 @@ def test_services_restarted_like_systemd_finish_with_the_fault_free_model(tmp_pa
                 if not killed and metrics_lines(out) >= 7:
                     target = next(u for u in cluster if u.name == victim)
                     assert target.popen is not None
-                    os.kill(target.popen.pid, signal.SIGKILL)
+                    os.kill(target.popen.pid, signal.SIGTERM if sigterm else signal.SIGKILL)
                     killed = True
+                    if sigterm:  # systemctl restart: wait for the stop, then start the unit again
+                        assert target.popen.wait(timeout=60) == 0
+                        target.tend(time.monotonic())
+                        target.start()
                 time.sleep(0.05)  # the supervisor's tick, as systemd watches its units
         finally:
             for unit in cluster:
@@ -149,9 +159,13 @@ def test_services_restarted_like_systemd_finish_with_the_fault_free_model(tmp_pa
     text = (tmp_path / "services.log").read_text(errors="replace")
     assert killed
     by_name = {u.name: u for u in cluster}
-    assert -signal.SIGKILL in by_name[victim].exits
+    assert (0 if sigterm else -signal.SIGKILL) in by_name[victim].exits
     assert all(u.exits[-1] == 0 for u in cluster), {u.name: u.exits for u in cluster}
-    assert by_name["coordinator"].starts >= 2 and "resuming from the committed checkpoint" in text
+    if victim == "coordinator":  # taken back from the journal: the members rode the outage out
+        assert by_name["coordinator"].starts == 2 and "recovered job" in text
+        assert all(u.starts == 1 for u in cluster if u.name != "coordinator"), {u.name: u.starts for u in cluster}
+    else:
+        assert by_name["coordinator"].starts >= 2 and "resuming from the committed checkpoint" in text
     state = torch.load(out / "model.pt", weights_only=True)
     for name, tensor in reference.items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-6, atol=1e-6)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -20,13 +21,13 @@ from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.ps_api import (
     ParameterServerClient,
     PsClientError,
+    PullHandle,
     PushHandle,
     RetryPolicy,
-    ShardAck,
     StepConflict,
     Unavailable,
 )
-from pstrain.runtime.shard_map import shard_ranges
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.replicas import ReplicaSet
 from pstrain.worker.trainer import Trainer, step_is_finite
@@ -110,8 +111,8 @@ class Reporter:
         return directive or pb.Directive()
 
 
-def failed(exc: Exception) -> Future[ShardAck]:
-    future: Future[ShardAck] = Future()
+def failed(exc: Exception) -> Future[Any]:
+    future: Future[Any] = Future()
     future.set_exception(exc)
     return future
 
@@ -153,6 +154,32 @@ class Recording:
             raise self.faults[key].pop(0)
         return self.inner.pull(min_version, out)
 
+    # S4: the trainer pushes and pulls per bucket; these tests' jobs have one bucket (bucket_bytes 0), so a
+    # step is one push_pieces and one pull_pieces, logged and faulted under the same keys as push and pull.
+
+    def push_pieces(
+        self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
+    ) -> PushHandle:
+        key = ("push", worker_id, step)
+        self.calls.append(key)
+        handle = self.inner.push_pieces(flat, pieces, worker_id, step, device_count)
+        if self.faults.get(key):
+            error = self.faults[key].pop(0)
+            return PushHandle([handle.futures[0], *(failed(error) for _ in handle.futures[1:])])
+        return handle
+
+    def skip_pieces(self, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int) -> PushHandle:
+        self.calls.append(("skip", worker_id, step))
+        return self.inner.skip_pieces(pieces, worker_id, step, device_count)
+
+    def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
+        key = ("pull", min_version)
+        self.calls.append(key)
+        self.pulling.setdefault(min_version, threading.Event()).set()
+        if self.faults.get(key):
+            return PullHandle([failed(self.faults[key].pop(0))])
+        return self.inner.pull_pieces(min_version, out, pieces)
+
     def close(self, cancel: bool = False) -> None:
         self.inner.close(cancel)
 
@@ -169,8 +196,15 @@ def make_trainer() -> Iterator[MakeTrainer]:
         retry: RetryPolicy = NO_WAIT,
         data: Dataset = DATA,
         on_nonfinite: str = "stop",
+        bucket_bytes: int = 0,
     ) -> Trainer:
-        job = pb.JobSpec(steps=STEPS, per_device_batch=PER_DEVICE, total_params=LAYOUT.total, on_nonfinite=on_nonfinite)
+        job = pb.JobSpec(
+            steps=STEPS,
+            per_device_batch=PER_DEVICE,
+            total_params=LAYOUT.total,
+            on_nonfinite=on_nonfinite,
+            bucket_bytes=bucket_bytes,
+        )
         replicas = ReplicaSet(seeded_model, [torch.device("cpu")] * DEVICES, LAYOUT)
         feed = DataFeed(data, ListSource(worker_id, worker_samples(worker_id)))
         loss = torch.nn.functional.cross_entropy

@@ -1,9 +1,23 @@
 """The worker's side of the Coordinator contract: data shards, step reports, buffers.
 
 Heartbeats are the member skeleton's (``pstrain.runtime.member``), shared with the PS.
+
+A coordinator that dies mid-job is restarted and takes the job back from its journal; meanwhile
+the worker's calls fail with UNAVAILABLE. Data-shard requests and completions and step reports
+are therefore retried with backoff for up to ``patience_s`` (``fault.coordinator_timeout_s``): a
+report is idempotent on the coordinator, a completion retried after its reply was lost is
+refused as not held (NOT_FOUND) and so known done, and each data-shard request carries a
+number (``request_seq``) that a retry repeats, so a reply lost with the old coordinator gets the
+same data shard again, never the next one.
 """
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -12,11 +26,46 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import encode_named_tensors
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""The coordinator is away (restarting) or did not answer in time: the call is repeated."""
+
 
 class CoordinatorLink:
-    def __init__(self, channel: grpc.Channel, worker_id: int = -1) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        worker_id: int = -1,
+        patience_s: float = 0.0,
+        stop: threading.Event | None = None,
+    ) -> None:
         self._stub = pb_grpc.CoordinatorStub(channel)
         self.worker_id = worker_id
+        self.patience_s = patience_s  # how long a call is retried while the coordinator is away; 0: never
+        self.stop = stop or threading.Event()  # cuts a retry's backoff short
+        self._seq = 0
+
+    def _retrying(self, what: str, call: Callable[[], T], retried_ok: grpc.StatusCode | None = None) -> T | None:
+        """``call`` again after UNAVAILABLE or DEADLINE_EXCEEDED, with backoff, for up to ``patience_s``;
+        a retry refused with ``retried_ok`` means an earlier try was taken (returns None)."""
+        deadline = time.monotonic() + self.patience_s
+        delay = 0.2
+        retry = False
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as exc:
+                if retry and retried_ok is not None and exc.code() == retried_ok:
+                    return None  # an earlier try was taken; its reply was lost
+                retry = True
+                if exc.code() not in RETRIED or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s: coordinator unavailable (%s); retrying in %.1fs", what, exc.code().name, delay)
+                if self.stop.wait(delay):
+                    raise
+                delay = min(2.0, delay * 2)
 
     def register(self, address: str, devices: list[str], hostname: str, metrics_address: str) -> pb.RegisterWorkerReply:
         request = pb.RegisterWorkerRequest(
@@ -34,17 +83,27 @@ class CoordinatorLink:
 
     # ShardSource
     def request(self) -> pb.DataShard:
-        return self._stub.RequestDataShard(pb.DataShardRequest(worker_id=self.worker_id), timeout=CONTROL_TIMEOUT_S)
+        self._seq += 1
+        request = pb.DataShardRequest(worker_id=self.worker_id, request_seq=self._seq)
+        reply = self._retrying(
+            "data shard request", lambda: self._stub.RequestDataShard(request, timeout=CONTROL_TIMEOUT_S)
+        )
+        assert reply is not None
+        return reply
 
     def complete(self, data_shard_id: int) -> None:
-        self._stub.CompleteDataShard(
-            pb.CompleteDataShardRequest(worker_id=self.worker_id, data_shard_id=data_shard_id),
-            timeout=CONTROL_TIMEOUT_S,
+        request = pb.CompleteDataShardRequest(worker_id=self.worker_id, data_shard_id=data_shard_id)
+        self._retrying(
+            "data shard completion",
+            lambda: self._stub.CompleteDataShard(request, timeout=CONTROL_TIMEOUT_S),
+            retried_ok=grpc.StatusCode.NOT_FOUND,  # not held any more: the first try completed it
         )
 
     # StepReporter
     def report(self, report: pb.StepReport) -> pb.Directive:
-        return self._stub.ReportStep(report, timeout=CONTROL_TIMEOUT_S)
+        reply = self._retrying("step report", lambda: self._stub.ReportStep(report, timeout=CONTROL_TIMEOUT_S))
+        assert reply is not None
+        return reply
 
     def upload_buffers(self, buffers: dict, chunk_bytes: int) -> None:  # type: ignore[type-arg]
         self._stub.UploadBuffers(encode_named_tensors(buffers, chunk_bytes), timeout=300)

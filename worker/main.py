@@ -17,6 +17,7 @@ import argparse
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -28,11 +29,13 @@ from pstrain.runtime.logs import configure_logging
 from pstrain.runtime.member import EXIT_JOB_FAILED, EXIT_RESTART, MemberProcess, add_member_flags
 from pstrain.runtime.ps_api import PsClientError
 from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 from pstrain.worker.coordinator_link import CoordinatorLink
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.devices import DeviceError, resolve_devices
-from pstrain.worker.probe import run_probe
+from pstrain.worker.probe import device_profile, run_probe
 from pstrain.worker.replicas import MemoryPolicy, ReplicaSet
+from pstrain.worker.row_store import host_row_store, probe_row_store, rejoin_rows_check
 from pstrain.worker.service import WorkerServicer
 from pstrain.worker.trainer import Trainer
 
@@ -48,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_replicas(job: pb.JobSpec, devices: list[torch.device], layout: ParamLayout) -> ReplicaSet:
-    memory = MemoryPolicy(dict(job.layer_policies), job.prefetch, job.pinned_limit_bytes)
+    memory = MemoryPolicy(dict(job.layer_policies), job.prefetch, job.pinned_limit_bytes, job.offload_params)
     if memory.layer_policies:
         log.info("memory plan: %s", ", ".join(f"{k}={v}" for k, v in sorted(memory.layer_policies.items())))
     return ReplicaSet(lambda: build_model(job.model_factory, job.model_kwargs_json), devices, layout, memory)
@@ -64,11 +67,15 @@ def probe_until_accepted(
 ) -> tuple[pb.JobSpec, ReplicaSet]:
     """S2.1: run one real iteration, report its peak, and follow the coordinator's verdicts."""
     limit = 0
+    profiled = False
     while True:
         replicas = build_replicas(job, devices, layout)
         try:
             inputs, targets = feed.peek_batch(job.per_device_batch * len(devices))
-            device_peak, host_peak = run_probe(replicas, inputs, targets, loss_fn, limit)
+            rows = probe_row_store(job, [r.model for r in replicas.replicas], devices)  # issue 9: seeded rows
+            device_peak, host_peak = run_probe(replicas, inputs, targets, loss_fn, limit, rows)
+            # issue 10: once, after the first measured iteration (its peak stays its own), the planner's profile
+            profile = None if profiled else device_profile(job, devices[0], feed.peek_batch, loss_fn)
             verdict = link.report_probe(
                 pb.ProbeReport(
                     worker_id=link.worker_id,
@@ -76,8 +83,10 @@ def probe_until_accepted(
                     device_peak_bytes=device_peak,
                     host_peak_bytes=host_peak,
                     limit_bytes=limit,
+                    profile=profile,
                 )
             )
+            profiled = True  # sent once: the coordinator re-plans from it
         except BaseException:
             replicas.close()
             raise
@@ -133,12 +142,23 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         lambda: link.register(member.served.address, requested, socket.gethostname(), member.served.metrics_address)
     )
     job = reply.job
-    devices = resolve_devices(requested or list(job.devices), job.devices_per_worker)
+    if reply.replacement:
+        log.info(
+            "replacing failed worker %d at step %d, configured like it: devices %s, memory estimate %d B device, "
+            "%d B host",
+            reply.worker_id,
+            reply.start_step,
+            list(reply.devices),
+            reply.device_memory_bytes,
+            reply.host_memory_bytes,
+        )
+    devices = resolve_devices(requested or list(reply.devices) or list(job.devices), job.devices_per_worker)
     servicer.worker_id, servicer.devices = reply.worker_id, [str(d) for d in devices]
     log.info("registered as worker %d with devices %s", reply.worker_id, servicer.devices)
     member.start_heartbeat(
         reply.worker_id, job.heartbeat_s, stop_when_job_ends=False, coordinator_timeout_s=job.coordinator_timeout_s
     )
+    link.patience_s, link.stop = job.coordinator_timeout_s, member.stop  # ride out a coordinator restart
     cluster = link.wait_for_cluster(args.cluster_timeout_s)
     job = cluster.job  # final: the probe may have changed the batch and the memory plan
     layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))
@@ -158,9 +178,24 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         job.push_timeout_s,
         job.pull_timeout_s,
         security=member.served.security,
+        push_dtype=torch.bfloat16 if job.push_dtype == pb.BFLOAT16 else torch.float32,  # issue 12
+        shared_memory=not job.shared_memory_off,  # issue 12: colocated shards through /dev/shm
     )
     member.closing(lambda: ps.close(cancel=True))  # a pull left waiting on a failed step must not hold the exit
+    rows_check = rejoin_rows_check(job, cluster.ps_addresses, reply.worker_id, member.served.security)  # issue 9
+    if reply.replacement and not rejoin(member, reply.worker_id, ps, job.total_params, rows_check):
+        return EXIT_RESTART
     trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, member.stop)
+    trainer.sparse = host_row_store(  # issue 9: sparse embedding rows, when the job declares tables
+        job,
+        cluster.ps_addresses,
+        reply.worker_id,
+        [r.model for r in replicas.replicas],
+        devices,
+        member.served.security,
+    )
+    if trainer.sparse is not None:
+        member.closing(lambda: trainer.sparse.client.close(cancel=True))  # type: ignore[union-attr]
     servicer.progress = trainer.progress
     member.ready()
     outcome = run_interruptibly(trainer, member.stop)
@@ -173,6 +208,33 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         link.upload_buffers(buffers, job.chunk_bytes)
     log.info("worker %d finished at step %d", reply.worker_id, trainer.progress.step)
     return 0
+
+
+def rejoin(
+    member: MemberProcess,
+    worker_id: int,
+    ps: PsClient,
+    total_params: int,
+    rows_check: Callable[[int], str] | None = None,
+) -> bool:
+    """S2.5: a replacement pulls the current version and tells the coordinator, which positions the
+    slot's data there; False when the job cannot go on in place (the coordinator rolls it back).
+    ``rows_check(version)`` (issue 9, ``row_store.rows_behind``): why the sparse tables cannot go on there."""
+    inconsistent = ""
+    try:
+        version = ps.pull(0, torch.empty(total_params, dtype=torch.float32))
+    except RuntimeError as exc:  # the shards disagree: the failed worker pushed to some of them only
+        version, inconsistent = -1, str(exc)
+    if not inconsistent and rows_check is not None:
+        inconsistent = rows_check(version)
+    directive = member.coordinator.RejoinAt(
+        pb.RejoinRequest(worker_id=worker_id, step=version, inconsistent=inconsistent), timeout=CONTROL_TIMEOUT_S
+    )
+    if directive.stop:
+        log.error("cannot take over the slot of worker %d: %s", worker_id, directive.reason)
+        return False
+    log.info("worker %d takes over its slot at step %d", worker_id, version)
+    return True
 
 
 def run(args: argparse.Namespace) -> int:

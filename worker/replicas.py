@@ -4,6 +4,11 @@ Every replica's parameters and gradients are views into one flat buffer per devi
 "send the gradients to the host" is one device->host copy per device and "load the new
 parameters" is one host->device copy per device. The host buffers are pinned when any
 device is a GPU, so those copies run asynchronously.
+
+With ``attach`` (S4, ``worker.overlap``) the same copies happen per gradient bucket: hooks on
+every replica's parameters report each gradient as backward produces it (the bucket's
+device->host copy starts when the bucket is complete on that device), and forward pre-hooks load
+each bucket of new parameters just before the first module that uses it runs.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pstrain.runtime.buckets import Bucket, BucketPlan
 from pstrain.runtime.factories import LossFn
 from pstrain.runtime.layout import ParamLayout
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
+from pstrain.worker.overlap import BucketLoader, BucketPusher
+from pstrain.worker.param_offload import HostGradSum, ParamOffload, offload_layers
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,7 @@ class MemoryPolicy:
     layer_policies: dict[str, str]
     prefetch: int = 2
     pinned_limit_bytes: int = 4 << 30
+    offload_params: bool = False  # issue 10: whole-layer offload (worker.param_offload)
 
 
 @dataclass
@@ -37,11 +47,23 @@ class Replica:
     flat_grads: torch.Tensor
     staging: torch.Tensor  # host buffer the gradients land in (the flat grads themselves on CPU)
     offload: SwapToHost | None = None  # swap-out of saved activations, per the job's memory plan
+    param_offload: ParamOffload | None = None  # whole-layer offload: host buffers shared by the host's replicas
 
     @classmethod
     def build(
-        cls, model: torch.nn.Module, device: torch.device, layout: ParamLayout, pin: bool, memory: MemoryPolicy | None
+        cls,
+        model: torch.nn.Module,
+        device: torch.device,
+        layout: ParamLayout,
+        pin: bool,
+        memory: MemoryPolicy | None,
+        shared: tuple[torch.Tensor, HostGradSum, int] | None = None,
     ) -> Replica:
+        if memory is not None and memory.offload_params:  # issue 10: parameters and gradients stay on the host
+            flat_params, flat_grads, params = offload_layers(model, device, layout, pin, memory.prefetch, shared)
+            swap = SwapToHost(memory.prefetch, memory.pinned_limit_bytes).ignore_parameters(model)
+            apply_layer_policies(model, memory.layer_policies, swap)
+            return cls(device, model, layout, flat_params, flat_grads, flat_grads, swap, params)
         model = model.to(device)
         flat_params = torch.empty(layout.total, dtype=torch.float32, device=device)
         flat_grads = torch.zeros(layout.total, dtype=torch.float32, device=device)
@@ -56,17 +78,42 @@ class Replica:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """One forward/backward on this device's slice; the gradient lands in ``flat_grads``."""
-        self.flat_grads.zero_()
+        loss = self.forward(inputs, targets, loss_fn)
+        self.backward(loss)
+        if self.staging is not self.flat_grads:
+            self.staging.copy_(self.flat_grads, non_blocking=True)
+        return loss.detach()
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
+        if self.param_offload is None:  # with it, the gradient sum overwrites (the buffer is the host's)
+            self.flat_grads.zero_()
         if self.offload is not None:
             self.offload.reset()
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        loss = loss_fn(self.model(inputs), targets)
+        return loss_fn(self.model(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        if self.param_offload is not None:
+            self.param_offload.finish_step()
         self.layout.rebind_grads(self.model, self.flat_grads)
-        if self.staging is not self.flat_grads:
-            self.staging.copy_(self.flat_grads, non_blocking=True)
-        return loss.detach()
+
+    def load_bucket(self, source: torch.Tensor, bucket: Bucket) -> None:
+        """Copy one bucket of new parameters from the host buffer ``source`` into this replica."""
+        if self.flat_params.data_ptr() == source.data_ptr():
+            return  # whole-layer offload: the replica reads the host buffer itself
+        with torch.no_grad():
+            self.flat_params[bucket.start : bucket.end].copy_(source[bucket.start : bucket.end], non_blocking=True)
+
+    def stage_bucket(self, bucket: Bucket) -> object | None:
+        """Start the device->host copy of one bucket's gradient; a CUDA event marks its end (None on the CPU)."""
+        if self.staging is self.flat_grads:
+            return None
+        self.staging[bucket.start : bucket.end].copy_(self.flat_grads[bucket.start : bucket.end], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
 
 class ReplicaSet:
@@ -84,13 +131,29 @@ class ReplicaSet:
         self.layout = layout
         self.devices = devices
         pin = any(d.type == "cuda" for d in devices)
-        self.replicas = [Replica.build(build_model(), d, layout, pin, memory) for d in devices]
         self.host_grads = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin)
         self.host_params = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin)
+        self.shared = memory is not None and memory.offload_params  # one host copy of parameters and gradients
+        grad_sum = HostGradSum(self.host_grads, len(layout.offsets), len(devices))
+        self.replicas = [
+            Replica.build(
+                build_model(), d, layout, pin, memory, (self.host_params, grad_sum, i) if self.shared else None
+            )
+            for i, d in enumerate(devices)
+        ]
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="replica")
+        self._hooks: list[Any] = []  # removable handles of the S4 hooks (``attach``)
+        self._losses: list[torch.Tensor] = []  # from ``forward``, for ``backward``
+        self._pusher: BucketPusher | None = None
+        self._loader: BucketLoader | None = None
 
     def __len__(self) -> int:
         return len(self.replicas)
+
+    @property
+    def staging(self) -> list[torch.Tensor]:
+        """The host buffers the gradient sum reads: one per device, or the sum itself when the replicas share it."""
+        return [self.host_grads] if self.shared else [r.staging for r in self.replicas]
 
     def train(self, mode: bool = True) -> None:
         for r in self.replicas:
@@ -108,8 +171,99 @@ class ReplicaSet:
         self._synchronize()
         return [float(loss) for loss in losses]
 
+    # ------------------------------------------------------------------ S4: per-bucket push and load
+
+    def attach(self, plan: BucketPlan, pusher: BucketPusher, loader: BucketLoader) -> None:
+        """Install the per-bucket hooks (replacing earlier ones): see the module docstring."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._pusher, self._loader = pusher, loader
+        for index, r in enumerate(self.replicas):
+            params = list(r.model.parameters())  # layout order (named_parameters, shared ones once)
+            position = {id(p): i for i, p in enumerate(params)}
+            for i, param in enumerate(params):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(index, i)))
+            for module in _modules_with_parameters(r.model):
+                needed = sorted({plan.bucket_of[position[id(p)]] for p in module.parameters()}, reverse=True)
+                self._hooks.append(module.register_forward_pre_hook(self._load_hook(index, needed)))
+            if r.param_offload is not None:  # its pre-hooks read the host buffer first: wait for the pulls there
+                r.param_offload.before_fetch = self._offload_wait(index)
+
+    def _grad_hook(self, device: int, param: int) -> Callable[[torch.Tensor], None]:
+        r = self.replicas[device]
+        offset = self.layout.offsets[param]
+
+        def hook(p: torch.Tensor) -> None:
+            view = r.flat_grads[offset : offset + p.numel()]
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # replaced by a user hook: keep values
+                view.copy_(p.grad.reshape(-1))
+                p.grad = view.view(p.shape)
+            assert self._pusher is not None
+            self._pusher.gradient_ready(device, param, r.stage_bucket)
+
+        return hook
+
+    def _offload_wait(self, device: int) -> Callable[[list[int]], None]:
+        r = self.replicas[device]
+
+        def wait(positions: list[int]) -> None:
+            assert self._loader is not None and self._pusher is not None
+            buckets = sorted({self._pusher.plan.bucket_of[p] for p in positions}, reverse=True)
+            self._loader.ensure(device, buckets, lambda bucket: r.load_bucket(self.host_params, bucket))
+
+        return wait
+
+    def _load_hook(self, device: int, buckets: list[int]) -> Callable[..., None]:
+        r = self.replicas[device]
+
+        def hook(module: torch.nn.Module, args: object) -> None:
+            assert self._loader is not None
+            self._loader.ensure(device, buckets, lambda bucket: r.load_bucket(self.host_params, bucket))
+
+        return hook
+
+    def forward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn) -> list[float]:
+        """Forward on every device at once; per-bucket loads wait inside (``attach``). Returns the losses."""
+        if len(inputs) != len(self.replicas) or len(targets) != len(self.replicas):
+            raise ValueError(f"need one input slice per device ({len(self.replicas)})")
+
+        def run(index: int, r: Replica, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = r.forward(x, y, loss_fn)
+            if self._loader is not None:  # buckets of parameters no module's forward reached
+                self._loader.ensure_all(index, lambda bucket: r.load_bucket(self.host_params, bucket))
+            return loss
+
+        futures = [
+            self._pool.submit(run, i, r, x, y)
+            for i, (r, x, y) in enumerate(zip(self.replicas, inputs, targets, strict=True))
+        ]
+        self._losses = [f.result() for f in futures]
+        return [float(loss.detach()) for loss in self._losses]
+
+    def backward(self) -> None:
+        """Backward of the losses ``forward`` returned, on every device at once; buckets leave as they complete."""
+
+        def run(index: int, r: Replica, loss: torch.Tensor) -> None:
+            r.backward(loss)
+            if self._pusher is not None:
+                self._pusher.device_done(index, r.stage_bucket)
+
+        pairs = enumerate(zip(self.replicas, self._losses, strict=True))
+        futures = [self._pool.submit(run, i, r, loss) for i, (r, loss) in pairs]
+        self._losses = []
+        for f in futures:
+            f.result()
+        self._synchronize()
+
+    def drop_losses(self) -> None:
+        """Forget the graphs of a ``forward`` whose step is not backpropagated (a non-finite loss)."""
+        self._losses = []
+
     def sum_gradients(self) -> torch.Tensor:
         """Sum every device's gradient into ``host_grads`` in device order (deterministic)."""
+        if self.shared:
+            return self.host_grads  # summed during backward (worker.param_offload.HostGradSum)
         self.host_grads.copy_(self.replicas[0].staging)
         for r in self.replicas[1:]:
             self.host_grads.add_(r.staging)
@@ -119,7 +273,8 @@ class ReplicaSet:
         """Copy ``flat`` (default: ``host_params``) into every replica."""
         source = self.host_params if flat is None else flat
         for r in self.replicas:
-            r.flat_params.copy_(source, non_blocking=True)
+            if r.flat_params.data_ptr() != source.data_ptr():  # shared with offload: written once
+                r.flat_params.copy_(source, non_blocking=True)
         self._synchronize()
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -132,3 +287,22 @@ class ReplicaSet:
     def _synchronize(self) -> None:
         for d in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.synchronize(d)
+
+
+def _modules_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forward pre-hook loads their buckets: the highest ones that hold parameters of their own.
+
+    Such a module waits for the buckets of its whole subtree (it may read a child's weight directly); a
+    module without parameters of its own is walked into, so a container never waits for everything.
+    """
+    found: list[torch.nn.Module] = []
+
+    def walk(module: torch.nn.Module) -> None:
+        if next(module.parameters(recurse=False), None) is not None:
+            found.append(module)
+        else:
+            for child in module.children():
+                walk(child)
+
+    walk(model)
+    return found

@@ -1,15 +1,23 @@
 """The worker's training loop: pull, compute on every device, sum on the host, push, report.
 
+S4 (``worker.overlap``): the push and the pull run per gradient bucket and overlap the compute.
+A step is: forward (each module first waits for its buckets of the version this step trains on),
+backward (each bucket is summed on the host and pushed as soon as backward has produced it, and
+its pull of the next version starts right behind the push), then the wait for the pushes' acks.
+The per-phase figures are compute, exposed push (the wait after backward) and exposed pull (the
+time forward waited for buckets); non-finite handling per bucket is described in ``overlap``.
+As before S4, a step counts as done (``run``'s count, ``progress.step``) once the parameters it
+produced have all arrived, which is now during the next step's forward (or at the end of the run).
+
 The trainer talks to the parameter server through ``ParameterServerClient`` only, so it runs
 the same over gRPC and over in-memory shards (``tests/test_trainer.py``). It owns the retry of
 a push or pull that found a shard ``Unavailable``: both calls are idempotent, and backing off
 on the stop flag lets SIGTERM end a backoff at once.
 
-A step whose loss or summed gradient is not finite is never pushed (``job.on_nonfinite``):
-under ``skip`` the worker asks every shard to complete the step without an update
-(``skip_step``), reports it ``nonfinite`` and trains on from the unchanged parameters; under
-``stop`` it reports it ``nonfinite`` (the coordinator fails the job, naming step and worker)
-and ends ``failed``.
+A non-finite loss or gradient bucket is never pushed (``job.on_nonfinite``): under ``skip``
+the worker asks the shards to complete the step without an update for every piece not yet
+pushed, reports it ``nonfinite`` and trains on; under ``stop`` it reports it ``nonfinite`` (the
+coordinator fails the job, naming step and worker) and ends ``failed``.
 
 ``TrainerProgress.state``: starting -> training -> finished (the job's last step is done),
 stopped (the stop flag, a coordinator directive, or a call cancelled by ``close(cancel=True)``
@@ -19,6 +27,7 @@ FAILED). An error raised by ``run`` leaves the state as it was.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -30,12 +39,22 @@ from typing import Protocol, TypeVar
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.buckets import Bucket, plan_buckets
 from pstrain.runtime.factories import LossFn
 from pstrain.runtime.numerics import all_finite
-from pstrain.runtime.ps_api import Cancelled, ParameterServerClient, PsClientError, RetryPolicy, with_retries
+from pstrain.runtime.ps_api import (
+    RETRYABLE,
+    Cancelled,
+    ParameterServerClient,
+    PsClientError,
+    RetryPolicy,
+    with_retries,
+)
 from pstrain.worker import metrics
 from pstrain.worker.data_feed import DataFeed
+from pstrain.worker.overlap import BucketLoader, BucketPusher, StepPushes
 from pstrain.worker.replicas import ReplicaSet
+from pstrain.worker.row_store import HostRowStore
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +107,21 @@ class Trainer:
         self.restart_may_help = False  # the coordinator failed the job and says a cluster restart may mend it
         self.skip_nonfinite = job.on_nonfinite == "skip"  # else stop: the spec's default
         self._ran = 0  # steps this run() has completed
+        self._unloaded: int | None = None  # the step whose new parameters are still being pulled (S4)
+        self.sparse: HostRowStore | None = None  # issue 9: the host's embedding rows, when the job has tables
+        self.plan = plan_buckets(replicas.layout, ps.ranges, job.bucket_bytes)
+        self.pusher = BucketPusher(
+            self.plan,
+            len(replicas),
+            ps,
+            worker_id,
+            replicas.host_grads,
+            replicas.host_params,
+            replicas.staging,
+            self.skip_nonfinite,
+        )
+        self.loader = BucketLoader(self.plan, len(replicas), replicas.host_params)
+        replicas.attach(self.plan, self.pusher, self.loader)
 
     def run(self) -> int:
         """Train until the job's last step or a stop; returns the number of steps this worker ran.
@@ -95,6 +129,7 @@ class Trainer:
         To stop a trainer blocked in a pull, set ``stop``, then ``ps.close(cancel=True)``.
         """
         self._ran = 0
+        self._unloaded = None
         try:
             self._train()
         except Cancelled:
@@ -112,55 +147,71 @@ class Trainer:
         log.info("worker %d starts at step %d of %d", self.worker_id, version, self.job.steps)
         for step in range(version, self.job.steps):
             if self.stop.is_set():
+                self._load_all()
                 self.progress.state = "stopped"
                 log.info("worker %d stopping before step %d", self.worker_id, step)
                 return
             directive = self._step(step)
             if self.progress.state == "failed":
                 return
-            self._ran += 1
             if directive.stop and step + 1 < self.job.steps:
                 log.warning("coordinator stopped the job at step %d: %s", step, directive.reason)
+                self._load_all()
                 self.progress.state = "failed" if directive.state == pb.FAILED else "stopped"
                 self.restart_may_help = directive.retryable
                 return
+        self._load_all()  # the last step's pulls: the replicas end on the final parameters
         self.progress.state = "finished"
+
+    def _loaded(self) -> None:
+        """The new parameters of the pending step have all arrived: as before S4, that is when a step is done."""
+        if self._unloaded is not None:
+            self._ran += 1
+            self.progress.step = self._unloaded + 1
+            self._unloaded = None
 
     def _step(self, step: int) -> pb.Directive:
         started = time.perf_counter()
         devices = len(self.replicas)
         inputs, targets = self.feed.next_batch(self.job.per_device_batch * devices)
-        losses = self.replicas.forward_backward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
-        grads = self.replicas.sum_gradients()
-        computed = time.perf_counter()
-        finite = step_is_finite(losses, grads)
-        if not finite and not self.skip_nonfinite:
-            return self._stop_nonfinite(step, losses, int(inputs.shape[0]), computed - started)
-        if finite:
-            self._retrying("push", lambda: self.ps.push(grads, self.worker_id, step, devices).wait())
+        if self.sparse is not None:  # issue 9: pull this host batch's embedding rows, bind them per device
+            self.sparse.prepare(step, list(inputs.chunk(devices)), self._retrying)
+        losses = self.replicas.forward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
+        pull_s = max(self.loader.waited_s)  # forward's waits for this step's buckets: the exposed pull
+        self._loaded()  # forward loaded every bucket of this step's version: the previous step is done
+        if all(math.isfinite(loss) for loss in losses):
+            self.pusher.start(step)
+            self.replicas.backward()  # every bucket is pushed as backward completes it
+            computed = time.perf_counter()
+            pushes = self.pusher.finish()
+        elif self.skip_nonfinite:
+            self.replicas.drop_losses()
+            computed = time.perf_counter()
+            pushes = self.pusher.skip_all(step, devices)
         else:
-            log.warning(
-                "worker %d computed a non-finite loss or gradient at step %d; skipping the step "
-                "(fault.on_nonfinite: skip)",
-                self.worker_id,
-                step,
-            )
-            self._retrying("skip", lambda: self.ps.skip_step(self.worker_id, step, devices).wait())
+            self.replicas.drop_losses()
+            return self._stop_nonfinite(step, losses, int(inputs.shape[0]), time.perf_counter() - started)
+        finite = pushes.finite and (self.sparse is None or self.sparse.finite())  # issue 9: rows too
+        if self.sparse is not None:  # issue 9: row gradients + counts, after the dense buckets (sparse_checkpoint.py)
+            self.sparse.push(step, not finite, self._retrying)
+        self._wait_pushes(pushes, devices)
         pushed = time.perf_counter()
+        if not finite and not self.skip_nonfinite:
+            return self._stop_nonfinite(step, losses, int(inputs.shape[0]), pushed - started)
+        if not finite:
+            self._warn_nonfinite(step, pushes)
         self.feed.commit()
-        self._retrying("pull", lambda: self.ps.pull(step + 1, self.replicas.host_params))
-        pulled = time.perf_counter()
-        self.replicas.load_parameters()
+        self.loader.arm(step + 1, pushes.pulls, self._repull)
+        self._unloaded = step
         elapsed = time.perf_counter() - started
-        self.progress.step = step + 1
         self.progress.last_step_s = elapsed
         self._record(
             step,
             losses,
             int(inputs.shape[0]),
-            computed - started,
+            computed - started - pull_s,
             pushed - computed,
-            pulled - pushed,
+            pull_s,
             elapsed,
             skipped=not finite,
         )
@@ -173,6 +224,47 @@ class Trainer:
                 step_s=elapsed,
                 nonfinite=not finite,
             )
+        )
+
+    def _wait_pushes(self, pushes: StepPushes, devices: int) -> None:
+        """Wait for every bucket's acknowledgements; a bucket a shard could not take now is pushed again."""
+        for bucket, skipped, handle in pushes.handles:
+            try:
+                handle.wait()
+            except RETRYABLE:
+
+                def again(bucket: Bucket = bucket, skipped: bool = skipped) -> object:
+                    if skipped:
+                        return self.ps.skip_pieces(bucket.pieces, self.worker_id, pushes.step, devices).wait()
+                    grads = self.replicas.host_grads
+                    return self.ps.push_pieces(grads, bucket.pieces, self.worker_id, pushes.step, devices).wait()
+
+                self._retrying("push", again)
+        self.pusher.pull_missing(pushes)
+
+    def _repull(self, bucket: Bucket, version: int) -> int:
+        """A bucket's pull failed with a retryable error: pull it again, with the trainer's retries."""
+        return self._retrying(
+            "pull", lambda: self.ps.pull_pieces(version, self.replicas.host_params, bucket.pieces).wait()
+        )
+
+    def _load_all(self) -> None:
+        """Wait for every outstanding bucket pull and load it into every replica."""
+        for index, r in enumerate(self.replicas.replicas):
+            self.loader.ensure_all(index, functools.partial(r.load_bucket, self.replicas.host_params))
+        self._loaded()
+
+    def _warn_nonfinite(self, step: int, pushes: StepPushes) -> None:
+        applied = sum(b.numel for b, skipped, _ in pushes.handles if not skipped)
+        log.warning(
+            "worker %d computed a non-finite loss or gradient at step %d; skipping the step "
+            "(fault.on_nonfinite: skip)%s",
+            self.worker_id,
+            step,
+            f"; {applied} of {self.plan.total} gradient values were pushed before it was seen (partial update; "
+            f"transport.bucket_bytes: 0 avoids that)"
+            if applied
+            else "",
         )
 
     def _stop_nonfinite(self, step: int, losses: list[float], samples: int, step_s: float) -> pb.Directive:

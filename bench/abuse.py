@@ -1,0 +1,375 @@
+"""Abuse benchmark (issue 8): a live `pstrain local` job under bounded attacks from 127.0.0.1.
+
+Each attack runs for ``--phase-s`` seconds against the running job while training steps/s are
+measured from metrics.jsonl, and is compared with a quiet phase before it. Prints and records
+(bench/results/abuse.md) each attack, the status codes it got back, and steps/s before and during:
+
+* forged pushes: well-formed pushes (finite garbage and NaN) for a real worker id at the shard's
+  current version, without its credential or with a made-up one, to every PS shard;
+* forged step reports (loss NaN, samples -2000) and data-shard requests for worker 0;
+* a pull flood: pulls for a far-future version of shard 0;
+* oversized uploads: UploadBuffers with a 64 MiB payload under an unknown name, and a claimed
+  shape of 2^40 (the coordinator's RSS before and after is recorded);
+* status load: GetJobStatus, a legitimate read.
+
+Each attacker is held to each of ``--rates`` calls/s in turn (default 1,000 and 100; uploads 10/s)
+and at most 256 calls in flight (``Paced``); every loop is bounded in time; nothing leaves 127.0.0.1.
+On one small host the attacker's own CPU is taken from training: read the ratios with the load.
+
+    python bench/abuse.py [--phase-s 10] [--rates 1000,100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import itertools
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pstrain.protos import pstrain_pb2 as pb  # noqa: E402
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
+from pstrain.protos.codec import encode_chunks  # noqa: E402
+from pstrain.runtime.identity import HEADER  # noqa: E402
+from pstrain.runtime.transport import open_channel  # noqa: E402
+from tests.helpers import child_env, pids_with_marker, stop_local, wait_for  # noqa: E402
+
+MAX_IN_FLIGHT = 256
+
+
+def write_job(path: Path) -> Path:
+    job = {
+        "model": {"factory": "tests.helpers:odd_mlp", "kwargs": {"inputs": 32, "hidden": 64, "classes": 10}},
+        "data": {
+            "factory": "tests.helpers:classification_set",
+            "kwargs": {"n": 2000, "inputs": 32, "classes": 10},
+            "shard_size": 50,
+        },
+        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "batch": {"per_device": 16},
+        "job": {"steps": 1_000_000, "seed": 1, "name": "abuse"},
+        "cluster": {"ps_shards": 2, "workers": 2, "devices_per_worker": 1},
+        "transport": {"heartbeat_s": 0.5, "heartbeat_timeout_s": 30.0},
+        "checkpoint": {"every_steps": 0},
+    }
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen
+    marker: str
+    out: Path
+    coordinator: str
+    ps: list[str]
+    numel: list[int]
+
+    def steps(self) -> int:
+        path = self.out / "metrics.jsonl"
+        return sum(1 for _ in path.open()) if path.exists() else 0
+
+    def coordinator_rss_mib(self) -> float:
+        for pid in pids_with_marker(self.marker):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"pstrain.coordinator" in cmdline:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+                    return kb / 1024
+            except (OSError, StopIteration):
+                continue
+        return float("nan")
+
+
+def start_cluster(tmp: Path) -> Cluster:
+    job = write_job(tmp / "job.yaml")
+    out = tmp / "out"
+    marker = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "pstrain.launcher.cli", "local", "--config", str(job), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cluster = Cluster(proc, marker, out, "", [], [])
+    try:
+        wait_for(lambda: cluster.steps() >= 5 or proc.poll() is not None, 180, "training to start")
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode()[-3000:] if proc.stderr else "pstrain local exited")
+        cluster.coordinator = f"127.0.0.1:{int((out / 'coordinator.port').read_text())}"
+        with open_channel(cluster.coordinator) as channel:
+            status = pb_grpc.CoordinatorStub(channel).GetJobStatus(pb.JobStatusRequest(), timeout=10)
+        shards = sorted((m.id, m.address) for m in status.members if m.role == "ps")
+        cluster.ps = [address for _, address in shards]
+        for address in cluster.ps:
+            with open_channel(address) as channel:
+                s = pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(), timeout=10)
+                cluster.numel.append(s.end - s.start)
+    except BaseException:
+        stop_local(proc, marker)
+        raise
+    return cluster
+
+
+@dataclass
+class Outcome:
+    attack: str
+    codes: collections.Counter[str] = field(default_factory=collections.Counter)
+    calls: int = 0
+    note: str = ""
+
+    def record(self, code: grpc.StatusCode) -> None:
+        self.codes[code.name] += 1
+        self.calls += 1
+
+
+Attack = Callable[[Cluster, threading.Event, Outcome], None]
+
+
+class Paced:
+    """Starts calls (futures) at ``rate`` per second, at most MAX_IN_FLIGHT outstanding, until ``stop``."""
+
+    def __init__(self, rate: float, stop: threading.Event, outcome: Outcome) -> None:
+        self.rate, self.stop, self.outcome = rate, stop, outcome
+
+    def run(self, start_call: Callable[[], grpc.Future]) -> None:
+        pending: collections.deque[grpc.Future] = collections.deque()
+        started, sent = time.monotonic(), 0
+        while not self.stop.is_set():
+            due = int((time.monotonic() - started) * self.rate)
+            while sent < due and len(pending) < MAX_IN_FLIGHT:
+                pending.append(start_call())
+                sent += 1
+            for _ in range(len(pending)):
+                future = pending.popleft()
+                if future.done():
+                    self.outcome.record(future.code())
+                else:
+                    pending.append(future)
+            self.stop.wait(0.002)
+        for future in pending:
+            future.cancel()
+        elapsed = max(time.monotonic() - started, 1e-9)
+        self.outcome.note = f"{self.outcome.calls / elapsed:.0f} calls/s answered ({sent / elapsed:.0f} sent)"
+
+
+class Cached:
+    """A figure (a shard's version, the job's step) refreshed at most every ``every_s``."""
+
+    def __init__(self, fetch: Callable[[], int], every_s: float = 0.5) -> None:
+        self._fetch, self._every_s, self._at, self._value = fetch, every_s, -1e9, 0
+
+    def __call__(self) -> int:
+        if time.monotonic() - self._at > self._every_s:
+            self._value, self._at = self._fetch(), time.monotonic()
+        return self._value
+
+
+def forged_pushes(rate: float) -> Attack:
+    def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
+        """Pushes for worker 0 at each shard's current version: NaN without a credential, garbage with a made-up one."""
+        channels = [open_channel(a) for a in cluster.ps]
+        try:
+            stubs = [pb_grpc.ParameterServerStub(c) for c in channels]
+            versions = [
+                Cached(lambda s=stub: s.GetShardStatus(pb.ShardStatusRequest(), timeout=10).version) for stub in stubs
+            ]
+            made_up = [(HEADER, "worker:0:0:" + "ab" * 32)]
+            payloads = [(torch.full((n,), float("nan")), torch.full((n,), 1e6)) for n in cluster.numel]
+            turn = itertools.count()
+
+            def start() -> grpc.Future:
+                i = next(turn)
+                shard, forged = i % len(stubs), i // len(stubs) % 2
+                numel = cluster.numel[shard]
+                header = pb.PushHeader(
+                    shard_id=shard, worker_id=0, step=versions[shard](), device_count=1, dtype=pb.FLOAT32, numel=numel
+                )
+                chunks = encode_chunks(payloads[shard][forged])
+                requests = [pb.PushRequest(header=header), *(pb.PushRequest(chunk=c) for c in chunks)]
+                return stubs[shard].Push.future(iter(requests), metadata=made_up if forged else None, timeout=10)
+
+            Paced(rate, stop, outcome).run(start)
+        finally:
+            for channel in channels:
+                channel.close()
+
+    return attack
+
+
+def forged_reports(rate: float) -> Attack:
+    def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
+        """ReportStep (loss NaN, samples -2000) and RequestDataShard for worker 0, without its credential."""
+        with open_channel(cluster.coordinator) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            step = Cached(lambda: stub.GetJobStatus(pb.JobStatusRequest(), timeout=10).step)
+            turn = itertools.count()
+
+            def start() -> grpc.Future:
+                if next(turn) % 2:
+                    return stub.RequestDataShard.future(pb.DataShardRequest(worker_id=0), timeout=10)
+                report = pb.StepReport(worker_id=0, step=step(), loss=float("nan"), samples=-2000, step_s=0.1)
+                return stub.ReportStep.future(report, timeout=10)
+
+            Paced(rate, stop, outcome).run(start)
+
+    return attack
+
+
+def pull_flood(rate: float) -> Attack:
+    def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
+        """Pulls for version 10^9 on shard 0; each would wait (up to its 30 s deadline) if admitted."""
+        with open_channel(cluster.ps[0]) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            Paced(rate, stop, outcome).run(
+                lambda: stub.Pull(pb.PullRequest(shard_id=0, min_version=10**9), timeout=30)  # type: ignore[return-value]
+            )
+
+    return attack
+
+
+def oversized_uploads(rate: float) -> Attack:
+    def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
+        """UploadBuffers: 64 MiB under an unknown name, and a claimed shape of 2^40, alternately."""
+        before = cluster.coordinator_rss_mib()
+        with open_channel(cluster.coordinator) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            big = list(encode_chunks(torch.zeros(16 * 1024 * 1024), 4 * 1024 * 1024, name="no_such_buffer"))
+            claim = pb.TensorChunk(name="0.weight", dtype=pb.FLOAT32, shape=[2**40], offset=0, data=b"\0" * 4096)
+            turn = itertools.count()
+
+            def start() -> grpc.Future:
+                return stub.UploadBuffers.future(iter(big if next(turn) % 2 else [claim]), timeout=30)
+
+            Paced(rate, stop, outcome).run(start)
+        outcome.note += f"; coordinator RSS {before:.0f} -> {cluster.coordinator_rss_mib():.0f} MiB"
+
+    return attack
+
+
+def status_load(rate: float) -> Attack:
+    def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
+        """GetJobStatus, a legitimate read, paced at ``rate``."""
+        with open_channel(cluster.coordinator) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            Paced(rate, stop, outcome).run(lambda: stub.GetJobStatus.future(pb.JobStatusRequest(), timeout=10))
+
+    return attack
+
+
+def steps_per_s(cluster: Cluster, seconds: float) -> float:
+    first, started = cluster.steps(), time.monotonic()
+    time.sleep(seconds)  # a measuring window, not a wait for a peer
+    return (cluster.steps() - first) / (time.monotonic() - started)
+
+
+def run_attack(cluster: Cluster, name: str, attack: Attack, phase_s: float) -> tuple[Outcome, float, float]:
+    """Steps/s in a quiet phase, then during the attack (the attack's first second is not measured)."""
+    before = steps_per_s(cluster, phase_s)
+    stop = threading.Event()
+    outcome = Outcome(name)
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            attack(cluster, stop, outcome)
+        except BaseException as exc:  # noqa: BLE001 - reported in the table
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, name=f"attack-{name}", daemon=True)
+    thread.start()
+    time.sleep(1.0)  # let the attack ramp up before measuring
+    during = steps_per_s(cluster, phase_s)
+    stop.set()
+    thread.join(60)
+    if errors:
+        outcome.note = f"attack raised {errors[0]!r}"
+    return outcome, before, during
+
+
+def attacks(rates: list[float]) -> list[tuple[str, Attack]]:
+    chosen: list[tuple[str, Attack]] = []
+    for rate in rates:
+        chosen += [
+            (f"forged pushes (NaN / garbage for worker 0) at {rate:.0f}/s", forged_pushes(rate)),
+            (f"forged ReportStep + RequestDataShard at {rate:.0f}/s", forged_reports(rate)),
+            (f"pull flood (version 10^9) at {rate:.0f}/s", pull_flood(rate)),
+            (f"GetJobStatus at {rate:.0f}/s", status_load(rate)),
+        ]
+    # 64 MiB each: the loopback carries about ten a second.
+    return [*chosen, ("oversized UploadBuffers (64 MiB, 2^40) at 10/s", oversized_uploads(10.0))]
+
+
+def iter_results(
+    cluster: Cluster, rates: list[float], phase_s: float, only: str = ""
+) -> Iterator[tuple[Outcome, float, float]]:
+    for name, attack in attacks(rates):
+        if only and only not in name:
+            continue
+        result = run_attack(cluster, name, attack, phase_s)
+        outcome, before, during = result
+        codes = ", ".join(f"{k} x{v}" for k, v in outcome.codes.most_common())
+        print(f"{name}: {codes}; steps/s {before:.1f} -> {during:.1f} {outcome.note}", flush=True)
+        yield result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase-s", type=float, default=10.0, help="seconds of each quiet and each attack phase")
+    p.add_argument("--rates", default="1000,100", help="calls per second each attacker is held to, comma-separated")
+    p.add_argument("--only", default="", help="run only the attacks whose name contains this")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.md"))
+    args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="abuse-") as tmp:
+        cluster = start_cluster(Path(tmp))
+        try:
+            results = list(iter_results(cluster, rates, args.phase_s, args.only))
+            alive = cluster.proc.poll() is None
+            final_steps = cluster.steps()
+        finally:
+            stop_local(cluster.proc, cluster.marker)
+    load_after = os.getloadavg()
+    lines = [
+        "# Abuse benchmark (issue 8)",
+        "",
+        f"`python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates}` on {platform.node()}, "
+        f"{os.cpu_count()} cores, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
+        f"Load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (other work shared the machine).",
+        "",
+        "A `pstrain local` job (2 PS shards, 2 workers x 1 CPU device) trains while each attack runs from",
+        f"127.0.0.1 for {args.phase_s:g} s; steps/s are measured in a quiet phase just before and during it.",
+        "",
+        "| attack | codes returned | calls | steps/s before | during | ratio | note |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for outcome, before, during in results:
+        codes = ", ".join(f"{k} x{v}" for k, v in outcome.codes.most_common())
+        ratio = during / before if before > 0 else float("nan")
+        lines.append(
+            f"| {outcome.attack} | {codes} | {outcome.calls} | {before:.1f} | {during:.1f} | {ratio:.0%} | "
+            f"{outcome.note} |"
+        )
+    lines += ["", f"The job was {'still training' if alive else 'NOT running'} at the end ({final_steps} steps)."]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if alive else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The coordinator's journal: its decisions, one JSON line per event, appended and fsynced.
+
+Why: the committed manifest says where training stood at the last checkpoint; the journal says
+what the coordinator decided since (a worker declared failed, its replacement, where the slot
+resumed, the data shards dispatched and completed, each step's record). It is the ledger a test
+or an operator reads to check that every sample was trained exactly once per epoch, and it is
+compacted when a checkpoint commits: what came before is in the manifest, so the journal starts
+again from a ``checkpoint`` line.
+
+Each line is ``{"t": <unix s>, "event": <name>, ...fields}``. A line torn by a crash mid-write is
+skipped by ``read_journal``. Thread-safe: one lock around each append.
+
+A restarted coordinator reads it back (``recovery``): the compaction writes a ``snapshot`` of the
+job's state after the ``checkpoint`` line (members, credential incarnations, the data-shard
+tracker, the step reports of steps not yet recorded), and every event after it says what changed
+since, so the job continues where it was instead of rolling back to the checkpoint. Decisions
+(registrations, failures, step records) are fsynced; the frequent events (data shards, step
+reports) are written and flushed, not fsynced: they survive the coordinator's process dying, and
+a host crash that loses them ends in the rollback, as a journal that cannot be used does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pstrain.runtime.atomic_io import atomic_write
+
+JOURNAL_NAME = "journal.jsonl"
+
+TRACKER_EVENTS = ("data_shard_dispatched", "data_shard_completed", "worker_failed", "worker_rejoined")
+"""Events that changed the data-shard tracker, replayed in order on top of the snapshot's state."""
+
+
+class JournalUnusable(Exception):
+    """The journal cannot bring the job back (no job, the job is over, a line is missing): roll back."""
+
+
+class Journal:
+    def __init__(self, path: Path, fsync: bool = True) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        _drop_torn_tail(path)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def append(self, event: str, durable: bool = True, **fields: Any) -> None:
+        """Write one event (append, flush, and with ``durable`` fsync) before the decision takes effect outside."""
+        line = json.dumps({"t": round(time.time(), 6), "event": event, **fields}, separators=(",", ":"))
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line + "\n")
+            self._file.flush()
+            if self._fsync and durable:
+                os.fsync(self._file.fileno())
+
+    def compact(self, step: int, snapshot: dict[str, Any] | None = None) -> None:
+        """Checkpoint ``step`` committed: replace the journal by a ``checkpoint`` line and, given one, the
+        job's ``snapshot`` (atomically: a crash leaves the old journal or the new one, never half)."""
+        now = round(time.time(), 6)
+        lines = [{"t": now, "event": "checkpoint", "step": step}]
+        if snapshot is not None:
+            lines.append({"t": now, "event": "snapshot", **snapshot})
+        text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.close()
+            atomic_write(self.path, lambda fh: fh.write(text.encode()))
+            self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def reset(self) -> None:
+        """A new job (not a recovered one): the previous job's events go."""
+        with self._lock:
+            self._file.close()
+            self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line a crash left without its newline, so the next append starts a line of its own."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as fh:
+            fh.truncate(data.rfind(b"\n") + 1)
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """Every complete event of a journal, oldest first; a torn last line is skipped."""
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a restarted coordinator takes back from its journal (see the module docstring)."""
+
+    job_id: str
+    per_device_batch: int  # the plan's batch once the probe accepted it
+    start_step: int  # where the tracker began when the job started (a resume from a checkpoint), if no snapshot
+    completed: int  # steps recorded
+    members: list[dict[str, Any]]
+    incarnations: dict[tuple[str, int], int]  # the newest credential issued per member
+    replacements: int
+    tracker: dict[str, Any] | None  # the snapshot's tracker state; None: a tracker positioned at start_step
+    tracker_ops: list[dict[str, Any]] = field(default_factory=list)  # TRACKER_EVENTS after it, in order
+    reports: list[dict[str, Any]] = field(default_factory=list)  # step reports of steps not recorded, in order
+
+
+def recovery(path: Path) -> Recovery:
+    """The job as its journal left it; ``JournalUnusable`` when it cannot be continued from it.
+
+    Events are taken in order: a ``snapshot`` (the compaction's) sets every part anew, and each
+    later event changes it; ``job_started``, written when training began, names the job.
+    """
+    if not path.exists():
+        raise JournalUnusable(f"no journal at {path}")
+    events = read_journal(path)
+    job: dict[str, Any] | None = None
+    members: list[dict[str, Any]] = []
+    incarnations: dict[tuple[str, int], int] = {}
+    tracker: dict[str, Any] | None = None
+    ops: list[dict[str, Any]] = []
+    reports: list[dict[str, Any]] = []
+    completed = replacements = 0
+    for event in events:
+        kind = event["event"]
+        if kind == "job_over":
+            raise JournalUnusable(f"the journal's job is over ({event.get('state')}: {event.get('message', '')})")
+        if kind in ("job_started", "snapshot"):
+            job = event
+            completed = max(completed, event["completed"])
+        if kind == "snapshot":
+            members, tracker = event["members"], event["tracker"]
+            incarnations = {(role, member_id): n for role, member_id, n in event["incarnations"]}
+            reports, ops, replacements = list(event["reports"]), [], event["replacements"]
+        elif kind == "members":
+            members = event["members"]
+        elif kind == "credential":
+            incarnations[(event["role"], event["id"])] = event["incarnation"]
+        elif kind == "step":
+            completed = max(completed, event["step"] + 1)
+        elif kind == "report":
+            reports.append(event["report"])
+        elif kind == "worker_registered" and event.get("replacement"):
+            replacements += 1
+        if kind in TRACKER_EVENTS:
+            ops.append(event)
+    if job is None:
+        raise JournalUnusable("the journal holds no running job (the coordinator died before training began)")
+    if not members:
+        raise JournalUnusable("the journal names no members")
+    return Recovery(
+        job_id=job["job_id"],
+        per_device_batch=job["per_device_batch"],
+        start_step=job["start_step"],
+        completed=completed,
+        members=members,
+        incarnations=incarnations,
+        replacements=replacements,
+        tracker=tracker,
+        tracker_ops=ops,
+        reports=[r for r in reports if r["step"] >= completed],
+    )

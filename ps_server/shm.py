@@ -1,0 +1,158 @@
+"""A shard's shared-memory regions for colocated workers (issue 12); the servicer only adapts gRPC to this.
+
+One pair of regions (push, pull; ``runtime.shm_region``) per worker, each the shard's size: a
+worker's pushes of different pieces write disjoint offsets of its push region, its pulls of
+different pieces disjoint offsets of its pull region. Bounded: a worker that opens again gets a
+fresh pair and its old one is unlinked at once; every region is unlinked on ``close`` (the
+server stopping) and when the worker closes its client. Only callers on this host get a pair
+(the peer's address is checked here, the worker's credential by the servicer's gate).
+
+Names do not outlive their use: the first push or pull that echoes the nonce proves the worker
+has mapped both regions (it maps both before using either), so the shard unlinks both names
+then. From there the memory lives exactly as long as the two mappings, and a process killed
+with SIGKILL leaks nothing in ``/dev/shm``; only a pair that was opened and never used waits
+for ``release``, a re-open, ``close`` or the interpreter's exit (``shm_region``'s atexit hook).
+
+Push: ``ParameterShard.push`` keeps nothing it is given once it returns (the first contribution
+of a step is copied into the shard's accumulator, the next in order added to it, one that arrives
+out of worker order cloned), and the worker cannot write the piece again before the push is
+acknowledged, so a float32 push is read straight from the region (``view``): the worker's copy
+into the region is the only one before the accumulator. A bfloat16 push (``transport.push_dtype``;
+the region holds float32) is copied into a buffer of the pushed dtype (``take``). Pull: ``put``
+copies the published piece into the pull region: one copy; the worker then copies it into its
+destination.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pstrain.ps_server.errors import InvalidArgument, PsError
+from pstrain.runtime import shm_region
+from pstrain.runtime.shm_region import HEADER_BYTES, Region
+
+
+class NotColocated(PsError):
+    """The caller is not on this host, or shared memory is off here (FAILED_PRECONDITION: stream instead)."""
+
+
+class StaleRegion(PsError):
+    """The call names regions this shard no longer has for that worker (ABORTED: open again or stream)."""
+
+
+@dataclass
+class RegionPair:
+    worker_id: int
+    push: Region
+    pull: Region
+    named: bool = True  # the files still have names in /dev/shm
+
+    def unlink(self) -> None:
+        if self.named:
+            self.named = False
+            for region in (self.push, self.pull):
+                shm_region.unlink(region.path)
+
+    @property
+    def nonce(self) -> bytes:
+        return self.push.nonce
+
+    def close(self) -> None:
+        self.unlink()
+        for region in (self.push, self.pull):
+            region.close()
+
+
+class SharedRegions:
+    """The region pairs of one shard's workers (thread-safe; handlers run on the loop and in threads)."""
+
+    def __init__(self, start: int, numel: int, enabled: bool = True) -> None:
+        self.start = start
+        self.numel = numel
+        self.enabled = enabled
+        self._pairs: dict[int, RegionPair] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def open(self, worker_id: int, peer: str) -> RegionPair:
+        """A fresh pair for ``worker_id`` (replacing and unlinking its previous one)."""
+        host = shm_region.peer_host(peer)
+        if not self.enabled:
+            raise NotColocated("shared memory is off on this shard")
+        if not host or not shm_region.is_local_host(host):
+            raise NotColocated(f"peer {peer} is not on this host; stream instead")
+        nonce = shm_region.new_nonce()
+        push = shm_region.create(self.numel, nonce)
+        try:
+            pull = shm_region.create(self.numel, nonce)
+        except shm_region.ShmError:
+            shm_region.unlink(push.path)
+            push.close()
+            raise
+        pair = RegionPair(worker_id, push, pull)
+        with self._lock:
+            if self._closed:
+                pair.close()
+                raise NotColocated("the shard is stopping")
+            old = self._pairs.pop(worker_id, None)
+            self._pairs[worker_id] = pair
+        if old is not None:
+            old.close()
+        return pair
+
+    def release(self, worker_id: int) -> None:
+        with self._lock:
+            pair = self._pairs.pop(worker_id, None)
+        if pair is not None:
+            pair.close()
+
+    def close(self) -> None:
+        """Unlink every region (the server stops); later opens are refused."""
+        with self._lock:
+            self._closed = True
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            pair.close()
+
+    @property
+    def paths(self) -> list[str]:
+        """The names of the regions not yet unlinked."""
+        with self._lock:
+            return [r.path for p in self._pairs.values() if p.named for r in (p.push, p.pull)]
+
+    def pair(self, worker_id: int, nonce: bytes) -> RegionPair:
+        """The worker's current pair, if ``nonce`` is its nonce; ``StaleRegion`` otherwise."""
+        with self._lock:
+            pair = self._pairs.get(worker_id)
+        if pair is None or not secrets.compare_digest(pair.nonce, nonce):
+            raise StaleRegion(f"worker {worker_id} has no shared-memory regions with that nonce on this shard")
+        pair.unlink()  # the worker has mapped both: the names are no longer needed
+        return pair
+
+    def span(self, piece_start: int | None, numel: int) -> slice:
+        """Where a piece (``None``: the whole shard) lies in a region; ``InvalidArgument`` if outside it."""
+        offset = 0 if piece_start is None else piece_start - self.start
+        if numel < 0 or offset < 0 or offset + numel > self.numel:
+            raise InvalidArgument(
+                f"piece [{piece_start}, +{numel}) lies outside shard [{self.start}, {self.start + self.numel})"
+            )
+        return slice(offset, offset + numel)
+
+    def view(self, pair: RegionPair, where: slice) -> torch.Tensor:
+        """A pushed float32 piece where it lies in the push region (the shard reads it before the ack)."""
+        return pair.push.data[where]
+
+    def take(self, pair: RegionPair, where: slice, out: torch.Tensor) -> torch.Tensor:
+        """Copy a pushed piece out of the push region into ``out`` (of the pushed dtype)."""
+        out.copy_(pair.push.data[where])
+        return out
+
+    def put(self, pair: RegionPair, where: slice, published: torch.Tensor) -> None:
+        pair.pull.data[where].copy_(published)
+
+
+__all__ = ["HEADER_BYTES", "NotColocated", "RegionPair", "SharedRegions", "StaleRegion"]

@@ -1,0 +1,183 @@
+"""Members bound to their identity: a per-member credential the coordinator hands out at registration.
+
+Why: the bearer token (``security.py``) only says "this caller belongs to the cluster"; it does not
+say *which* member is calling. Without more, any peer that can reach a shard may push for worker
+``w`` before ``w`` does (the real push then counts as a duplicate), report steps for ``w`` or take
+``w``'s data shards. So every member proves who it is on every call.
+
+Design:
+
+* The coordinator draws a random **job key** when it starts. Registering as ``role`` ``id`` returns
+  a credential ``role:id:incarnation:mac`` with ``mac = HMAC-SHA256(job key, "role:id:incarnation")``.
+  The incarnation counts registrations of that slot: a member that restarts and registers again
+  gets a new credential, and the old process's calls are refused by the coordinator from then on.
+* Members send it as the call metadata ``x-pstrain-member`` on every call of their channels
+  (``IdentityAttach``, a client interceptor installed by ``open_channel``), so the PS client and
+  the trainer are unchanged; ``MemberProcess.join`` adopts the credential from the registration reply.
+* The coordinator checks each worker/PS call against its issued incarnations (``MemberRegistry``).
+* A PS shard receives the job key at its own registration and verifies workers' pushes by
+  recomputing the MAC (``MemberKeys``): no table to keep in step with the coordinator's, no call
+  to the coordinator per push. What a shard cannot see is the incarnation being current; a
+  superseded process would have to still be alive *and* push for a step its replacement has not
+  pushed, and the coordinator has failed or re-planned the job by then.
+* Without TLS the credential travels in clear, like the token: the token or mTLS keeps outsiders
+  off the port; the credential keeps one member (or an outsider on an open port) from acting as
+  another. The job key and credentials never reach a log (``repr`` hides them).
+
+A call that lacks the credential, carries a wrong one, or one of another member is refused with
+``PermissionDenied`` (PERMISSION_DENIED) before anything changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+HEADER = "x-pstrain-member"
+KEY_BYTES = 32
+
+
+class IdentityError(Exception):
+    """Base of identity failures."""
+
+
+class PermissionDenied(IdentityError):
+    """The call does not carry the credential of the member it acts for (PERMISSION_DENIED)."""
+
+
+class NotIssued(IdentityError):
+    """No credential was ever issued for that member by this coordinator (NOT_FOUND: register first)."""
+
+
+@dataclass(frozen=True)
+class Credential:
+    role: str
+    member_id: int
+    incarnation: int
+    mac: str
+
+    @property
+    def subject(self) -> str:
+        return f"{self.role}:{self.member_id}:{self.incarnation}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.member_id}"
+
+    def encode(self) -> str:
+        return f"{self.subject}:{self.mac}"
+
+    @classmethod
+    def parse(cls, text: str) -> Credential:
+        parts = text.split(":")
+        if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
+            raise PermissionDenied(f"malformed {HEADER} credential")
+        return cls(parts[0], int(parts[1]), int(parts[2]), parts[3])
+
+    def __repr__(self) -> str:  # the MAC is a secret
+        return f"Credential({self.subject})"
+
+
+def presented(metadata: Iterable[tuple[str, str | bytes]] | None) -> Credential:
+    """The credential in a call's metadata; PermissionDenied when there is none."""
+    for key, value in metadata or ():
+        if key == HEADER:
+            return Credential.parse(value.decode() if isinstance(value, bytes) else value)
+    raise PermissionDenied(f"no {HEADER} credential: register with the coordinator first")
+
+
+class MemberKeys:
+    """Mints and verifies credentials with one job key (the coordinator's; a PS shard's copy)."""
+
+    def __init__(self, job_key: bytes) -> None:
+        if len(job_key) < 16:
+            raise ValueError("a job key needs at least 16 bytes")
+        self._key = job_key
+
+    @classmethod
+    def generate(cls) -> MemberKeys:
+        return cls(os.urandom(KEY_BYTES))
+
+    @property
+    def job_key(self) -> bytes:
+        return self._key
+
+    def __repr__(self) -> str:
+        return "MemberKeys(<hidden>)"
+
+    def mint(self, role: str, member_id: int, incarnation: int = 0) -> Credential:
+        subject = f"{role}:{member_id}:{incarnation}"
+        return Credential(role, member_id, incarnation, self._mac(subject))
+
+    def verify(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Credential:
+        """The caller's credential, checked against the key; PermissionDenied if forged or absent."""
+        credential = presented(metadata)
+        if not hmac.compare_digest(credential.mac, self._mac(credential.subject)):
+            raise PermissionDenied(f"the credential for {credential.name} was not issued by this job")
+        return credential
+
+    def require(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: str, member_id: int) -> Credential:
+        """Verify and check that the caller *is* ``role`` ``member_id``."""
+        credential = self.verify(metadata)
+        if (credential.role, credential.member_id) != (role, member_id):
+            raise PermissionDenied(f"the caller is {credential.name}; it may not act for {role} {member_id}")
+        return credential
+
+    def _mac(self, subject: str) -> str:
+        return hmac.new(self._key, subject.encode(), hashlib.sha256).hexdigest()
+
+
+class MemberRegistry:
+    """The coordinator's side: issues a fresh credential per registration and accepts only the newest."""
+
+    def __init__(self, keys: MemberKeys | None = None) -> None:
+        self.keys = keys or MemberKeys.generate()
+        self._incarnations: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, role: str, member_id: int) -> Credential:
+        with self._lock:
+            incarnation = self._incarnations.get((role, member_id), -1) + 1
+            self._incarnations[(role, member_id)] = incarnation
+        return self.keys.mint(role, member_id, incarnation)
+
+    def require(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: str, member_id: int) -> Credential:
+        """The caller is the newest registration of ``role`` ``member_id``; else NotIssued/PermissionDenied."""
+        with self._lock:
+            current = self._incarnations.get((role, member_id))
+        if current is None:
+            raise NotIssued(f"{role} {member_id} is not registered")
+        credential = self.keys.require(metadata, role, member_id)
+        if credential.incarnation != current:
+            raise PermissionDenied(f"{role} {member_id} registered again since; this process was replaced")
+        return credential
+
+    def require_any(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: str) -> Credential:
+        """The caller is some current member of ``role``."""
+        credential = self.keys.verify(metadata)
+        if credential.role != role:
+            raise PermissionDenied(f"the caller is {credential.name}; only a {role} may make this call")
+        return self.require(metadata, role, credential.member_id)
+
+
+class IdentityHolder:
+    """The credential this process presents on its channels; empty until registration."""
+
+    def __init__(self) -> None:
+        self._header: tuple[str, str] | None = None
+
+    def adopt(self, credential: str | Credential) -> None:
+        text = credential.encode() if isinstance(credential, Credential) else credential
+        if text:
+            self._header = (HEADER, text)
+
+    def headers(self) -> list[tuple[str, str]]:
+        header = self._header
+        return [header] if header is not None else []
+
+    def __repr__(self) -> str:
+        return f"IdentityHolder({'set' if self._header else 'unset'})"

@@ -1,0 +1,156 @@
+"""The PS client's side of the colocated shared-memory path (issue 12): when to use it, the mapped regions.
+
+Negotiated once per shard connection, lazily, by the first push for a worker (pulls do not name
+a worker): only for a shard whose address is this host, only if the shard grants a pair of
+regions (it checks the worker's credential and that the peer is local), and only if both map and
+hold the nonce the shard announced. Any failure there means "stream", never an error: the push
+that follows streams and meets the same checks (a peer without the credential is refused by the
+push itself). A shard that later refuses the regions (ABORTED: it replaced or dropped them) turns
+them off for that shard, and the call is streamed instead.
+
+Pushes for a worker other than the regions' own, and pulls before the first push, stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime import shm_region
+from pstrain.runtime.shard_map import ShardRange
+from pstrain.runtime.shm_region import Region, ShmError
+
+log = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 10.0
+_OFF = "off"
+
+
+@dataclass
+class MappedPair:
+    worker_id: int
+    nonce: bytes
+    push: Region
+    pull: Region
+
+    def close(self) -> None:
+        self.push.close()
+        self.pull.close()
+
+
+@dataclass
+class TransportCounts:
+    """Payload bytes each way moved through shared memory and streamed over gRPC (tests, benchmarks)."""
+
+    shared_bytes: int = 0
+    streamed_bytes: int = 0
+
+
+class SharedMemory:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        ranges: Sequence[ShardRange],
+        opens: Sequence[Callable[..., pb.ShmRegions]],
+        closes: Sequence[Callable[..., pb.Empty]],
+        enabled: bool,
+    ) -> None:
+        self._addresses = list(addresses)
+        self._ranges = list(ranges)
+        self._opens = list(opens)
+        self._closes = list(closes)
+        self._retired: list[MappedPair] = []
+        self._enabled = enabled
+        self._state: list[MappedPair | str | None] = [None] * len(addresses)  # None: not tried yet
+        self._locks = [threading.Lock() for _ in addresses]
+        self._count_lock = threading.Lock()
+        self.counts = TransportCounts()
+
+    def span(self, r: ShardRange) -> slice:
+        """Where piece ``r`` lies in its shard's regions."""
+        offset = r.start - self._ranges[r.shard_id].start
+        return slice(offset, offset + r.numel)
+
+    def for_push(self, r: ShardRange, worker_id: int) -> MappedPair | None:
+        """The shard's regions if this push may use them (negotiating them on first use)."""
+        state = self._state[r.shard_id]
+        if state is None and self._enabled:
+            with self._locks[r.shard_id]:
+                if self._state[r.shard_id] is None:
+                    self._state[r.shard_id] = self._negotiate(r.shard_id, worker_id)
+                state = self._state[r.shard_id]
+        return state if isinstance(state, MappedPair) and state.worker_id == worker_id else None
+
+    def for_pull(self, shard_id: int) -> MappedPair | None:
+        state = self._state[shard_id]
+        return state if isinstance(state, MappedPair) else None
+
+    def disable(self, shard_id: int) -> None:
+        with self._locks[shard_id]:
+            state, self._state[shard_id] = self._state[shard_id], _OFF
+        log.warning("shard %d refused its shared-memory regions; streaming from now on", shard_id)
+        # The mapping is dropped when the client closes: a call in flight may still be copying through it.
+        if isinstance(state, MappedPair):
+            self._retired.append(state)
+
+    @property
+    def active(self) -> list[int]:
+        """The shards this client talks to through shared memory."""
+        return [i for i, s in enumerate(self._state) if isinstance(s, MappedPair)]
+
+    def count(self, shared: int = 0, streamed: int = 0) -> None:
+        with self._count_lock:
+            self.counts.shared_bytes += shared
+            self.counts.streamed_bytes += streamed
+
+    def close(self) -> None:
+        """Ask each shard to unlink this client's regions (best effort: a stopping shard unlinks them itself)."""
+        for shard_id, state in enumerate(self._state):
+            if isinstance(state, MappedPair):
+                self._release(shard_id, state.worker_id)
+
+    def _release(self, shard_id: int, worker_id: int) -> None:
+        try:
+            self._closes[shard_id](pb.ShmRequest(shard_id=shard_id, worker_id=worker_id), timeout=5.0)
+        except grpc.RpcError as exc:
+            log.info("shard %d did not release its shared-memory regions: %s", shard_id, exc.code())
+
+    def unmap(self) -> None:
+        for shard_id, state in enumerate(self._state):
+            if isinstance(state, MappedPair):
+                state.close()
+            self._state[shard_id] = _OFF
+        for pair in self._retired:
+            pair.close()
+
+    def _negotiate(self, shard_id: int, worker_id: int) -> MappedPair | str:
+        host = self._addresses[shard_id].rpartition(":")[0]
+        if not shm_region.is_local_host(host):
+            return _OFF
+        try:
+            reply = self._opens[shard_id](pb.ShmRequest(shard_id=shard_id, worker_id=worker_id), timeout=OPEN_TIMEOUT_S)
+        except grpc.RpcError as exc:  # an older shard (UNIMPLEMENTED), a refusal: stream
+            log.info("shard %d offers no shared memory (%s): streaming", shard_id, exc.code())
+            return _OFF
+        try:
+            if reply.numel != self._ranges[shard_id].numel or reply.header_bytes != shm_region.HEADER_BYTES:
+                raise ShmError(
+                    f"regions of {reply.numel} elements announced for a shard of {self._ranges[shard_id].numel}"
+                )
+            push = shm_region.attach(reply.push_path, reply.numel, reply.nonce)
+            try:
+                pull = shm_region.attach(reply.pull_path, reply.numel, reply.nonce)
+            except ShmError:
+                push.close()
+                raise
+        except ShmError as exc:  # not this host's /dev/shm after all: the shard may drop the regions now
+            log.info("shard %d: %s; streaming", shard_id, exc)
+            self._release(shard_id, worker_id)
+            return _OFF
+        log.info("shard %d: pushes and pulls go through shared memory", shard_id)
+        return MappedPair(worker_id, reply.nonce, push, pull)

@@ -1,0 +1,196 @@
+"""Whole-layer offload (S1.4, ``memory.offload_params``): bitwise the same training, one layer on the device."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.ps_server.local_client import LocalPsClient
+from pstrain.runtime.layout import ParamLayout
+from pstrain.worker.data_feed import DataFeed
+from pstrain.worker.param_offload import offload_layers
+from pstrain.worker.replicas import MemoryPolicy, Replica, ReplicaSet
+from pstrain.worker.trainer import Trainer
+from tests.test_overlap import SMALL_BUCKETS, build_shards
+from tests.test_trainer import (
+    DATA,
+    DEVICES,
+    LAYOUT,
+    NO_WAIT,
+    PER_DEVICE,
+    STEPS,
+    ListSource,
+    Reporter,
+    final_parameters,
+    seeded_model,
+    start,
+    worker_samples,
+)
+
+CE = nn.functional.cross_entropy
+
+
+def model(seed=0, width=32, depth=4):
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(16, width), nn.LayerNorm(width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 5))
+
+
+def batches(steps, n=8, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 16, generator=gen), torch.randint(0, 5, (n,), generator=gen)) for _ in range(steps)]
+
+
+def train(replica: Replica, steps: int, lr: float = 0.1) -> list[torch.Tensor]:
+    """SGD on the replica's flat buffers, as the worker and PS do; returns every step's gradient."""
+    grads = []
+    for x, y in batches(steps):
+        replica.forward_backward(x, y, CE)
+        grads.append(replica.staging.detach().clone())
+        with torch.no_grad():
+            replica.flat_params.sub_(lr * replica.staging.to(replica.flat_params.device))
+    return grads
+
+
+@pytest.mark.parametrize("policies", [{}, {"3": "swap", "5": "recompute"}])
+def test_training_with_offload_is_bitwise_identical_on_cpu(policies):
+    layout = ParamLayout.of(model())
+    plain = Replica.build(model(), torch.device("cpu"), layout, False, MemoryPolicy(dict(policies)))
+    offloaded = Replica.build(
+        model(), torch.device("cpu"), layout, False, MemoryPolicy(dict(policies), 1, 4 << 30, True)
+    )
+    ours, theirs = train(offloaded, 4), train(plain, 4)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(offloaded.flat_params, plain.flat_params)
+    assert offloaded.staging is offloaded.flat_grads  # the gradient is written straight into the host buffer
+
+
+def test_only_the_running_layer_points_away_from_the_host_buffer():
+    m = model()
+    layout = ParamLayout.of(m)
+    flat_params, flat_grads, offload = offload_layers(m, torch.device("cpu"), layout, False, prefetch=1)
+    host = flat_params.untyped_storage().data_ptr()
+    away: list[int] = []
+
+    def count(module, args):
+        away.append(sum(p.untyped_storage().data_ptr() != host for p in m.parameters()))
+
+    for layer in m:
+        if list(layer.parameters()):
+            layer.register_forward_pre_hook(count)  # after offload's own pre-hook
+    x, y = batches(1)[0]
+    CE(m(x), y).backward()
+    n_params = {len(list(layer.parameters(recurse=False))) for layer in m if list(layer.parameters())}
+    assert away and all(a in n_params for a in away)  # exactly that layer's weight and bias
+    assert all(p.untyped_storage().data_ptr() == host and p.grad is None for p in m.parameters())
+    assert flat_grads.abs().sum() > 0 and offload.stats.prefetched > 0
+    assert offload.stats.grad_bytes == layout.total * 4
+    assert offload.stats.fetched_bytes == 2 * layout.total * 4  # once for forward, once for backward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_matches_and_holds_about_one_layer():
+    device = torch.device("cuda", 0)
+    layout = ParamLayout.of(model(width=1024, depth=8))
+    plain = Replica.build(model(width=1024, depth=8), device, layout, True, None)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(device)
+    offloaded = Replica.build(model(width=1024, depth=8), device, layout, True, MemoryPolicy({}, 1, 4 << 30, True))
+    torch.cuda.reset_peak_memory_stats(device)
+    ours = train(offloaded, 3)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - base
+    theirs = train(plain, 3)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b.cpu(), rtol=0, atol=0)
+    assert peak < layout.total * 4  # less than the parameters alone, let alone parameters + gradients
+
+
+# ---------------------------------------------------------------- one host copy for all of a host's replicas
+
+
+def test_replicas_of_a_host_share_one_host_copy_and_sum_bitwise_in_device_order():
+    layout = ParamLayout.of(model())
+    devices = [torch.device("cpu")] * 3
+    plain = ReplicaSet(lambda: model(), devices, layout)
+    shared = ReplicaSet(lambda: model(), devices, layout, MemoryPolicy({"3": "swap"}, 1, 4 << 30, True))
+    for r in shared.replicas:  # the parameters and gradients of every replica are the host's buffers
+        assert r.flat_params.data_ptr() == shared.host_params.data_ptr()
+        assert r.flat_grads.data_ptr() == shared.host_grads.data_ptr()
+    assert len(shared.staging) == 1 and len(plain.staging) == 3
+    plain.host_params.copy_(layout.flatten(model()))  # what the first pull brings (the buffer starts uninitialised)
+    try:
+        for step, (x, y) in enumerate(batches(4, n=12)):
+            a = shared.forward_backward(list(x.chunk(3)), list(y.chunk(3)), CE)
+            b = plain.forward_backward(list(x.chunk(3)), list(y.chunk(3)), CE)
+            assert a == b
+            assert torch.equal(shared.sum_gradients(), plain.sum_gradients()), f"step {step}"
+            new = plain.host_params - 0.1 * plain.host_grads  # what a pull brings
+            plain.host_params.copy_(new)
+            plain.load_parameters()
+            shared.host_params.copy_(new)  # the pull writes the one copy ...
+            shared.load_parameters()  # ... and loading is nothing more
+        for r in plain.replicas:
+            assert torch.equal(r.flat_params, shared.host_params)
+    finally:
+        plain.close()
+        shared.close()
+
+
+def test_a_parameter_unused_in_a_step_gets_a_zero_in_the_sum_and_does_not_stall_the_next():
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = nn.Linear(16, 5), nn.Linear(16, 5)
+
+        def forward(self, x):
+            return self.used(x)
+
+    layout = ParamLayout.of(Skips())
+    shared = ReplicaSet(Skips, [torch.device("cpu")] * 2, layout, MemoryPolicy({}, 1, 4 << 30, True))
+    try:
+        shared.host_grads.fill_(7.0)
+        for x, y in batches(3):
+            shared.forward_backward(list(x.chunk(2)), list(y.chunk(2)), CE)
+            grads = shared.sum_gradients()
+            unused = layout.views(grads)[2:]
+            assert all(torch.count_nonzero(g) == 0 for g in unused)
+            assert all(torch.count_nonzero(g) > 0 for g in layout.views(grads)[:2])
+    finally:
+        shared.close()
+
+
+def test_offloaded_workers_train_bitwise_like_plain_ones_through_per_bucket_pushes():
+    results = []
+    for offload in (False, True):
+        shards = build_shards(workers=2)
+        trainers = [_trainer(w, shards, offload, SMALL_BUCKETS) for w in (0, 1)]
+        runs = [start(t) for t in trainers]
+        try:
+            for thread, _ in runs:
+                thread.join(120)
+                assert not thread.is_alive(), "a trainer hung"
+            assert [outcome for _, outcome in runs] == [{"ran": STEPS}, {"ran": STEPS}]
+        finally:
+            for t in trainers:
+                t.ps.close(cancel=True)
+                t.replicas.close()
+        results.append(final_parameters(shards))
+        if offload:
+            assert trainers[0].replicas.shared and len(trainers[0].replicas) == DEVICES
+    assert torch.equal(results[0], results[1])
+
+
+def _trainer(worker_id, shards, offload, bucket_bytes):
+    job = pb.JobSpec(steps=STEPS, per_device_batch=PER_DEVICE, total_params=LAYOUT.total, bucket_bytes=bucket_bytes)
+    memory = MemoryPolicy({}, 1, 4 << 30, True) if offload else None
+    replicas = ReplicaSet(seeded_model, [torch.device("cpu")] * DEVICES, LAYOUT, memory)
+    feed = DataFeed(DATA, ListSource(worker_id, worker_samples(worker_id)))
+    ps = LocalPsClient(shards, pull_timeout_s=60)
+    return Trainer(worker_id, job, replicas, ps, feed, CE, Reporter(), threading.Event(), NO_WAIT)

@@ -1,0 +1,157 @@
+"""The planner as someone who will run the job: data-set cap, host memory as a limit, whole-layer offload,
+the pinned cap, and the large-batch LR warning (issue 10)."""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from pstrain.coordinator.config import parse_config
+from pstrain.coordinator.model_state import ModelState
+from pstrain.coordinator.planning import describe, plan_job
+from pstrain.planner.memory_plan import MemoryBudget, batch_limits, largest_model, max_batch, plan_for_batch
+from pstrain.planner.profiler import LayerProfile, ModelProfile
+from tests.helpers import REPO_ROOT, classification_set, write_job
+
+RAW = {
+    "model": {"factory": "tests.helpers:odd_mlp"},
+    "data": {"factory": "tests.helpers:classification_set", "kwargs": {"n": 64}},
+    "cluster": {"workers": 2, "devices_per_worker": 2},
+}
+
+
+def job_plan(samples=64, **sections):
+    cfg = parse_config({**RAW, **sections})
+    model = ModelState(cfg)
+    return plan_job(cfg, model.model, classification_set(samples), model.layout.total)
+
+
+def synthetic(layers=24, per_sample=1000.0, params=4000, forward_s=1e-3):
+    return ModelProfile(
+        tuple(
+            LayerProfile(str(i), params, per_sample, 0.0, per_sample, forward_s, 2 * forward_s) for i in range(layers)
+        ),
+        batch=32,
+        device="cpu",
+    )
+
+
+def test_the_global_batch_never_exceeds_the_training_set():
+    plan = job_plan(batch={"per_device": "auto"}, memory={"device_memory": "64GiB", "host_memory": "1TiB"})
+    assert plan.plan.global_batch <= 64 and plan.plan.per_device_batch == 16  # 64 samples over 4 devices
+    assert "capped at 16/device by the training set: 64 samples over 4 devices" in plan.batch_reason
+    assert "device memory binds" in plan.batch_reason  # and why memory alone would have stopped later
+    fixed = job_plan(batch={"per_device": 100})
+    assert fixed.plan.per_device_batch == 16 and "without the cap 100: set by batch.per_device" in fixed.batch_reason
+    assert "batch: capped at 16/device" in describe(fixed)
+
+
+def test_auto_says_why_it_stopped():
+    plan = job_plan(
+        samples=10**6, batch={"per_device": "auto"}, memory={"device_memory": "64KiB", "host_memory": "1TiB"}
+    )
+    assert plan.batch_reason.startswith("device memory binds: 64.0 KiB fits")
+    assert plan.limits is not None and plan.limits.binding == "device"
+    capped = job_plan(
+        samples=10**6, batch={"per_device": "auto", "max_per_device": 2}, memory={"device_memory": "64KiB"}
+    )
+    assert capped.batch_reason == "batch.max_per_device caps it at 2"
+
+
+def test_host_memory_binds_when_swapped_activations_do_not_fit_it():
+    profile = synthetic()
+    roomy = MemoryBudget(10_000_000, 1e12, devices_per_host=4, host_bytes=10**12)
+    tight = replace(roomy, host_bytes=40_000_000)
+    free, bound = batch_limits(profile, roomy, True), batch_limits(profile, tight, True)
+    assert free.binding in ("device", "neither") and free.both == free.device
+    assert bound.binding == "host" and bound.both == bound.host < bound.device == free.device
+    plan = plan_for_batch(profile, bound.both, tight)
+    assert plan.fits and plan.host_bytes <= 40_000_000
+    assert not plan_for_batch(profile, bound.both + 1, tight).fits_host
+    # four devices' swapped activations + staging, plus the worker's two buffers
+    swapped = sum(d.saved_bytes for d in plan.decisions if d.policy.value == "swap")
+    assert plan.host_bytes == pytest.approx(4 * (swapped + profile.param_bytes) + 2 * profile.param_bytes)
+
+
+def test_whole_layer_offload_plans_a_model_larger_than_the_device():
+    profile = synthetic(layers=24, params=1_000_000)  # 24 MB of parameters
+    device = MemoryBudget(16_000_000, 1e12, host_bytes=10**10)  # 16 MB: the parameters alone do not fit
+    assert profile.param_bytes > device.device_bytes
+    assert max_batch(profile, device, allow_swap=True) == 0
+    offload = replace(device, offload_params=True)
+    assert max_batch(profile, offload, allow_swap=True) > 0
+    assert plan_for_batch(profile, 1, offload).peak_bytes < device.device_bytes
+    assert largest_model(profile, offload, True) > 10 * largest_model(profile, device, True)
+    # offloaded parameters and gradients live on the host: it must hold them
+    assert max_batch(profile, replace(offload, host_bytes=10_000_000), allow_swap=True) == 0
+
+
+def test_pinned_memory_past_its_cap_is_copied_at_the_pageable_rate():
+    budget = MemoryBudget(10**9, 1e10)
+    capped = replace(budget, pinned_limit_bytes=0)
+    assert capped.copy_s(1e9, 1e9) == pytest.approx(2 * budget.copy_s(1e9, 1e9))
+    half = replace(budget, pinned_limit_bytes=500_000_000)
+    assert budget.copy_s(1e9, 1e9) < half.copy_s(1e9, 1e9) < capped.copy_s(1e9, 1e9)
+    profile = synthetic()
+    assert (
+        plan_for_batch(profile, 1000, capped).decisions[0].swap_s
+        > plan_for_batch(profile, 1000, budget).decisions[0].swap_s
+    )
+
+
+@pytest.mark.parametrize("optimizer, warns", [("sgd", True), ("lars", False)])
+def test_linear_scaling_past_the_threshold_warns_and_proposes_layerwise_optimizers(optimizer, warns):
+    plan = job_plan(
+        samples=10**5,
+        optimizer={"name": optimizer, "lr": 0.1},
+        batch={"per_device": 4096, "lr_scaling": "linear", "linear_lr_max_global": 8192},
+    )
+    assert plan.plan.global_batch == 16384
+    assert bool(plan.warnings) == warns
+    if warns:
+        assert "exceeds batch.linear_lr_max_global 8192" in plan.warnings[0] and "lars or lamb" in plan.warnings[0]
+        assert "WARNING: global batch 16384" in describe(plan)
+    small = job_plan(samples=10**5, batch={"per_device": 2048, "lr_scaling": "linear"})
+    assert small.warnings == ()
+
+
+def test_plan_shows_both_limits_each_policy_and_cpu_measured_times():
+    plan = job_plan(
+        samples=10**5, batch={"per_device": "auto"}, memory={"device_memory": "64KiB", "host_memory": "8GiB"}
+    )
+    text = describe(plan)
+    assert "largest batch: device-fit" in text and "host-fit" in text and "binds: device" in text
+    for policy in ("keep", "swap activations", "whole-layer offload"):
+        assert f"  {policy}" in text
+    assert [p for p, _, _ in plan.largest_models] == ["keep", "swap activations", "whole-layer offload"]
+    keep, swap, offload = (m for _, m, _ in plan.largest_models)
+    assert offload > keep and swap >= keep
+    assert "measured on this host's CPU" in text and "memory.probe: true" in text
+
+
+def test_pstrain_plan_measures_bandwidth_and_takes_host_memory(tmp_path):
+    job = write_job(tmp_path / "job.yaml", batch={"per_device": "auto", "max_per_device": 64})
+    result = subprocess.run(
+        [sys.executable, "-m", "pstrain.launcher.cli", "plan", "--config", str(job), "--device-memory", "256KiB"]
+        + ["--host-memory", "2GiB", "--measure-bandwidth"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "memory.bandwidth measured:" in result.stdout and "host memory copy (no GPU)" in result.stdout
+    assert "of 2.0 GiB" in result.stdout and "largest batch: device-fit" in result.stdout
+
+
+def test_whole_layer_offload_shares_the_hosts_buffers_across_its_devices():
+    """Offloaded replicas read the worker's parameter copy and sum into its host-sum buffer: 2P per host."""
+    profile = synthetic(layers=24, params=1_000_000)
+    offload = MemoryBudget(16_000_000, 1e12, devices_per_host=4, host_bytes=10**10, offload_params=True)
+    plan = plan_for_batch(profile, 1, offload)
+    swapped = sum(d.saved_bytes for d in plan.decisions if d.policy.value == "swap")
+    assert plan.host_bytes == pytest.approx(4 * swapped + 2 * profile.param_bytes)
+    plain = replace(offload, device_bytes=10**12, offload_params=False)
+    assert plan.host_bytes < plan_for_batch(profile, 1, plain).host_bytes
+    assert max_batch(profile, replace(offload, host_bytes=int(2.1 * profile.param_bytes)), allow_swap=True) > 0

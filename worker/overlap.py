@@ -1,0 +1,283 @@
+"""S4 on the worker: push each gradient bucket while backward runs, pull it back before forward needs it.
+
+Push side (``BucketPusher``). Every replica's parameters carry a post-accumulate-grad hook; when
+all parameters of a bucket (``runtime.buckets``) have their gradient on a device, the bucket is
+ready there, and when it is ready on every device of the host, one background sender thread (a
+single-thread executor: bounded, buckets leave in the order they became ready) sums that bucket's
+slice of the devices' gradients into the host buffer (device order, as ``ReplicaSet.sum_gradients``
+does for the whole vector, so the sum is bit-identical) and pushes its pieces at once, while
+backward goes on with earlier layers. Once the shards have acknowledged the bucket, its pull of the
+next version starts (from the acknowledging thread, so the sender never waits), which the shard
+serves as soon as every worker has pushed that piece; a bucket whose push must be repeated is
+pulled after the repeat (``pull_missing``). After backward the
+trainer waits for the pushes (the exposed push).
+
+Pull side (``BucketLoader``). The next step's forward waits only for the buckets a module uses:
+a forward pre-hook on each module that holds parameters of its own waits for the buckets of its
+whole subtree (so a module that reads a child's weight directly, as ``MultiheadAttention`` reads
+``out_proj.weight``, is covered) and copies them into that device's replica; modules without
+parameters of their own are walked into. After forward every bucket not yet loaded (parameters
+no module called) is loaded, so backward always sees one version. A forward that reads a
+parameter of a module outside its own subtree before that module ran would see the previous
+version: such a model needs ``transport.bucket_bytes: 0`` (one bucket, loaded before forward).
+
+Non-finite values (``fault.on_nonfinite``). The losses are checked before backward: a non-finite
+loss pushes nothing (``skip``: every piece is skipped; ``stop``: nothing at all). During backward
+each bucket's host sum is checked before it is pushed; the first non-finite bucket and every
+bucket after it are skipped (``skip``) or not pushed (``stop``). A NaN therefore never reaches a
+shard. The buckets pushed before it were finite and are applied: with several buckets, a step
+whose gradient (but not its loss) turns non-finite is a partial update under ``skip``. That is
+the price of pushing during backward; ``transport.bucket_bytes: 0`` keeps the all-or-nothing step
+(one bucket is checked whole before anything is pushed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pstrain.runtime.buckets import Bucket, BucketPlan
+from pstrain.runtime.numerics import all_finite
+from pstrain.runtime.ps_api import RETRYABLE, ParameterServerClient, PullHandle, PushHandle, ShardAck
+
+Repull = Callable[[Bucket, int], int]  # pull a bucket again (with retries) after its async pull failed
+
+
+@dataclass
+class StepPushes:
+    """What one step pushed: the handles to wait on and whether every pushed bucket was finite."""
+
+    step: int
+    handles: list[tuple[Bucket, bool, PushHandle]] = field(default_factory=list)  # (bucket, skipped, handle)
+    pulls: dict[int, PullHandle] = field(default_factory=dict)  # bucket index -> its pull of version step + 1
+    finite: bool = True
+    first_nonfinite: int | None = None  # bucket index
+
+
+class BucketPusher:
+    """Counts gradients per bucket and device during backward and pushes each bucket when it is complete."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        devices: int,
+        ps: ParameterServerClient,
+        worker_id: int,
+        host_grads: torch.Tensor,
+        host_params: torch.Tensor,
+        staging: Sequence[torch.Tensor],
+        skip_nonfinite: bool,
+    ) -> None:
+        self.plan = plan
+        self.devices = devices
+        self.ps = ps
+        self.worker_id = worker_id
+        self.host_grads = host_grads
+        self.host_params = host_params
+        self.staging = list(staging)
+        self.skip_nonfinite = skip_nonfinite
+        self._sizes = [len(b.params) for b in plan.buckets]
+        self._lock = threading.Lock()
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-push")
+        self._sent: list[Future[None]] = []
+        self._step: StepPushes | None = None
+        self._left: list[list[int]] = []  # per device, per bucket: parameters still without a gradient
+        self._ready: list[int] = []  # per bucket: devices on which it is complete
+        self._events: list[list[object | None]] = []  # per device, per bucket: a CUDA event of its host copy
+        self._queued: set[int] = set()
+        self.on_push: Callable[[Bucket], None] | None = None  # tests observe the order of pushes
+
+    def start(self, step: int) -> None:
+        """Arm the hooks for ``step`` (before backward)."""
+        with self._lock:
+            self._step = StepPushes(step)
+            self._left = [list(self._sizes) for _ in range(self.devices)]
+            self._ready = [0] * len(self.plan.buckets)
+            self._events = [[None] * len(self.plan.buckets) for _ in range(self.devices)]
+            self._queued = set()
+            self._sent = []
+
+    def gradient_ready(self, device: int, param: int, event: Callable[[Bucket], object | None]) -> None:
+        """Parameter ``param``'s gradient is final on ``device`` (from its post-accumulate-grad hook)."""
+        with self._lock:
+            if self._step is None:
+                return  # not a training step (the probe, a test's plain forward_backward)
+            bucket = self.plan.bucket_of[param]
+            left = self._left[device]
+            left[bucket] -= 1
+            if left[bucket] != 0:
+                return
+        handle = event(self.plan.buckets[bucket])  # the device->host copy of this bucket, where there is one
+        with self._lock:
+            self._events[device][bucket] = handle
+            self._ready[bucket] += 1
+            if self._ready[bucket] == self.devices:
+                self._queue(bucket)
+
+    def device_done(self, device: int, event: Callable[[Bucket], object | None]) -> None:
+        """Backward ended on ``device``: a bucket still missing gradients there (parameters the step did not
+        use keep their zero gradient) is complete now."""
+        with self._lock:
+            if self._step is None:
+                return
+            missing = [b for b, left in enumerate(self._left[device]) if left > 0]
+            for bucket in missing:
+                self._left[device][bucket] = 0
+        for bucket in missing:
+            handle = event(self.plan.buckets[bucket])
+            with self._lock:
+                self._events[device][bucket] = handle
+                self._ready[bucket] += 1
+                if self._ready[bucket] == self.devices:
+                    self._queue(bucket)
+
+    def skip_all(self, step: int, devices: int) -> StepPushes:
+        """A non-finite loss: skip every piece of ``step`` (no backward, nothing pushed but the skips)."""
+        self._step = StepPushes(step, finite=False, first_nonfinite=0)
+        for bucket in self.plan.buckets:
+            self._step.handles.append((bucket, True, self.ps.skip_pieces(bucket.pieces, self.worker_id, step, devices)))
+        return self._finish()
+
+    def finish(self) -> StepPushes:
+        """After backward (every device called ``device_done``): wait until every bucket has left."""
+        with self._lock:
+            if len(self._queued) != len(self.plan.buckets):
+                missing = sorted(set(range(len(self.plan.buckets))) - self._queued)
+                raise RuntimeError(f"buckets {missing} never completed: did every device call device_done?")
+            sent = list(self._sent)
+        for future in sent:
+            future.result()  # the sender's own errors (a bad buffer); shard errors come from the handles
+        return self._finish()
+
+    def _finish(self) -> StepPushes:
+        step = self._step
+        assert step is not None
+        self._step = None
+        return step
+
+    def _queue(self, bucket: int) -> None:
+        """Called with the lock held."""
+        self._queued.add(bucket)
+        self._sent.append(self._sender.submit(self._send, self.plan.buckets[bucket]))
+
+    def _send(self, bucket: Bucket) -> None:
+        """On the sender thread: the host sum of one bucket, checked, pushed, and its next pull started."""
+        step = self._step
+        assert step is not None
+        for device in range(self.devices):
+            event = self._events[device][bucket.index]
+            if event is not None:
+                event.synchronize()  # type: ignore[attr-defined]
+        dest = self.host_grads[bucket.start : bucket.end]
+        dest.copy_(self.staging[0][bucket.start : bucket.end])
+        for staged in self.staging[1:]:
+            dest.add_(staged[bucket.start : bucket.end])
+        if step.finite and not all_finite(dest):
+            step.finite = False
+            step.first_nonfinite = bucket.index
+        devices = self.devices
+        if step.finite:
+            if self.on_push is not None:
+                self.on_push(bucket)
+            handle = self.ps.push_pieces(self.host_grads, bucket.pieces, self.worker_id, step.step, devices)
+        elif self.skip_nonfinite:
+            handle = self.ps.skip_pieces(bucket.pieces, self.worker_id, step.step, devices)
+        else:
+            return  # on_nonfinite: stop: nothing more leaves; the job fails
+        step.handles.append((bucket, not step.finite, handle))
+        self._pull_when_acknowledged(step, bucket, handle)
+
+    def _pull_when_acknowledged(self, step: StepPushes, bucket: Bucket, handle: PushHandle) -> None:
+        left = [len(handle.futures)]
+
+        def acknowledged(future: Future[ShardAck]) -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0] or any(f.cancelled() or f.exception() is not None for f in handle.futures):
+                    return
+            self._pull(step, bucket)
+
+        for future in handle.futures:
+            future.add_done_callback(acknowledged)
+
+    def _pull(self, step: StepPushes, bucket: Bucket) -> None:
+        with self._lock:
+            if bucket.index in step.pulls:
+                return
+            step.pulls[bucket.index] = self.ps.pull_pieces(step.step + 1, self.host_params, bucket.pieces)
+
+    def pull_missing(self, step: StepPushes) -> None:
+        """After every push of ``step`` is acknowledged: start the pulls that no acknowledgement started."""
+        for bucket, _, _ in step.handles:
+            self._pull(step, bucket)
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=True, cancel_futures=True)
+
+
+class BucketLoader:
+    """The pulls of the next version, per bucket, and which replica has copied which bucket yet."""
+
+    def __init__(self, plan: BucketPlan, replicas: int, host_params: torch.Tensor) -> None:
+        self.plan = plan
+        self.host_params = host_params
+        self._replicas = replicas
+        self._pulls: dict[int, PullHandle] = {}
+        self._version = 0
+        self._loaded = [[True] * len(plan.buckets) for _ in range(replicas)]
+        self._repull: Repull | None = None
+        self._lock = threading.Lock()
+        self._pulled: dict[int, threading.Lock] = {b.index: threading.Lock() for b in plan.buckets}
+        self._done: set[int] = set()
+        self.waited_s = [0.0] * replicas  # per replica, since ``arm``: the exposed pull
+
+    def arm(self, version: int, pulls: dict[int, PullHandle], repull: Repull) -> None:
+        """The next forward loads ``version`` per bucket from ``pulls`` (started by the pusher)."""
+        with self._lock:
+            self._version = version
+            self._pulls = dict(pulls)
+            self._repull = repull
+            self._done = set()
+            self._loaded = [[False] * len(self.plan.buckets) for _ in range(self._replicas)]
+            self.waited_s = [0.0] * self._replicas
+
+    @property
+    def armed(self) -> bool:
+        return any(not all(row) for row in self._loaded)
+
+    def ensure(self, replica: int, buckets: Sequence[int], load: Callable[[Bucket], None]) -> None:
+        """Wait for ``buckets``' pulls and ``load`` (copy into ``replica``) those it has not loaded yet."""
+        loaded = self._loaded[replica]
+        for index in buckets:
+            if loaded[index]:
+                continue
+            started = time.perf_counter()
+            self._wait(index)
+            self.waited_s[replica] += time.perf_counter() - started
+            load(self.plan.buckets[index])
+            loaded[index] = True
+
+    def ensure_all(self, replica: int, load: Callable[[Bucket], None]) -> None:
+        self.ensure(replica, [b.index for b in self.plan.forward_order], load)
+
+    def _wait(self, index: int) -> None:
+        with self._pulled[index]:  # one device thread waits (and repeats a failed pull), the others after it
+            if index in self._done:
+                return
+            handle = self._pulls.get(index)
+            bucket = self.plan.buckets[index]
+            if handle is None:
+                raise RuntimeError(f"bucket {index} was never pulled for version {self._version}")
+            try:
+                version = handle.wait()
+            except RETRYABLE:
+                assert self._repull is not None
+                version = self._repull(bucket, self._version)  # retries a retryable error, raises the rest
+            if version != self._version:
+                raise RuntimeError(f"bucket {index} came back at version {version}, expected {self._version}")
+            self._done.add(index)
