@@ -141,30 +141,59 @@ Attack = Callable[[Cluster, threading.Event, Outcome], None]
 
 
 class Paced:
-    """Starts calls (futures) at ``rate`` per second, at most MAX_IN_FLIGHT outstanding, until ``stop``."""
+    """Starts calls (futures) at exactly ``rate`` per second, at most MAX_IN_FLIGHT outstanding, until ``stop``.
+
+    One thread: each call's outcome is recorded by a done-callback (on gRPC's own thread), so the attacker spends
+    its CPU on starting calls, not on polling them; what that still costs is reported (the process's CPU), since
+    on one host the attacker's CPU is taken from training too.
+    """
 
     def __init__(self, rate: float, stop: threading.Event, outcome: Outcome) -> None:
         self.rate, self.stop, self.outcome = rate, stop, outcome
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def _done(self, future: grpc.Future) -> None:
+        code = future.code() if not future.cancelled() else None
+        with self._lock:
+            self._in_flight -= 1
+            if code is not None:  # a call the attacker itself cancelled at the phase's end got no answer
+                self.outcome.record(code)
 
     def run(self, start_call: Callable[[], grpc.Future]) -> None:
-        pending: collections.deque[grpc.Future] = collections.deque()
-        started, sent = time.monotonic(), 0
+        started, sent, skipped = time.monotonic(), 0, 0
+        cpu_before = time.process_time()
+        pending: list[grpc.Future] = []
         while not self.stop.is_set():
             due = int((time.monotonic() - started) * self.rate)
-            while sent < due and len(pending) < MAX_IN_FLIGHT:
-                pending.append(start_call())
+            while sent + skipped < due:
+                with self._lock:
+                    full = self._in_flight >= MAX_IN_FLIGHT
+                    self._in_flight += 0 if full else 1
+                if full:  # held to its limit: a call not started now is not made up later
+                    skipped += 1
+                    continue
+                future = start_call()
                 sent += 1
-            for _ in range(len(pending)):
-                future = pending.popleft()
-                if future.done():
-                    self.outcome.record(future.code())
-                else:
-                    pending.append(future)
-            self.stop.wait(0.002)
+                future.add_done_callback(self._done)
+                pending.append(future)
+            if len(pending) > 4 * MAX_IN_FLIGHT:
+                pending = [f for f in pending if not f.done()]
+            self.stop.wait(max(0.0005, (sent + skipped + 1) / self.rate - (time.monotonic() - started)))
         for future in pending:
             future.cancel()
-        elapsed = max(time.monotonic() - started, 1e-9)
-        self.outcome.note = f"{self.outcome.calls / elapsed:.0f} calls/s answered ({sent / elapsed:.0f} sent)"
+        self._note(time.monotonic() - started, sent, skipped, time.process_time() - cpu_before)
+
+    def _note(self, elapsed: float, sent: int, skipped: int, cpu_s: float) -> None:
+        """Calls/s answered and sent, and the attacker's process CPU (all its threads, gRPC's included)."""
+        elapsed = max(elapsed, 1e-9)
+        with self._lock:
+            answered = self.outcome.calls
+        self.outcome.note = (
+            f"{answered / elapsed:.0f} calls/s answered ({sent / elapsed:.0f} sent"
+            + (f", {skipped} not sent at the in-flight limit" if skipped else "")
+            + f"); attacker {cpu_s / elapsed:.0%} of a core"
+        )
 
 
 class Cached:
@@ -181,7 +210,12 @@ class Cached:
 
 def forged_pushes(rate: float) -> Attack:
     def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
-        """Pushes for worker 0 at each shard's current version: NaN without a credential, garbage with a made-up one."""
+        """Pushes for worker 0 at each shard's current version: NaN without a credential, garbage with a made-up one.
+
+        From gRPC's blocking client, which spends a short-lived thread per client-streaming call feeding its
+        requests (the note's attacker CPU counts it). Its asyncio client would be cheaper, but it reports about
+        1% of these calls as INTERNAL ("Internal error from Core") when the shard's early refusal races its write
+        of the payload, which would hide what the shard answered."""
         channels = [open_channel(a) for a in cluster.ps]
         try:
             stubs = [pb_grpc.ParameterServerStub(c) for c in channels]
@@ -189,7 +223,10 @@ def forged_pushes(rate: float) -> Attack:
                 Cached(lambda s=stub: s.GetShardStatus(pb.ShardStatusRequest(), timeout=10).version) for stub in stubs
             ]
             made_up = [(HEADER, "worker:0:0:" + "ab" * 32)]
-            payloads = [(torch.full((n,), float("nan")), torch.full((n,), 1e6)) for n in cluster.numel]
+            payloads = [  # encoded once: the attacker's CPU goes into sending, as a real flood's would
+                [[pb.PushRequest(chunk=c) for c in encode_chunks(torch.full((n,), v))] for v in (float("nan"), 1e6)]
+                for n in cluster.numel
+            ]
             turn = itertools.count()
 
             def start() -> grpc.Future:
@@ -199,8 +236,7 @@ def forged_pushes(rate: float) -> Attack:
                 header = pb.PushHeader(
                     shard_id=shard, worker_id=0, step=versions[shard](), device_count=1, dtype=pb.FLOAT32, numel=numel
                 )
-                chunks = encode_chunks(payloads[shard][forged])
-                requests = [pb.PushRequest(header=header), *(pb.PushRequest(chunk=c) for c in chunks)]
+                requests = [pb.PushRequest(header=header), *payloads[shard][forged]]
                 return stubs[shard].Push.future(iter(requests), metadata=made_up if forged else None, timeout=10)
 
             Paced(rate, stop, outcome).run(start)
@@ -314,17 +350,40 @@ def attacks(rates: list[float]) -> list[tuple[str, Attack]]:
     return [*chosen, ("oversized UploadBuffers (64 MiB, 2^40) at 10/s", oversized_uploads(10.0))]
 
 
-def iter_results(
-    cluster: Cluster, rates: list[float], phase_s: float, only: str = ""
-) -> Iterator[tuple[Outcome, float, float]]:
+@dataclass
+class Row:
+    """One attack's figures: steps/s in the quiet phases around it and during it (quiet ``after`` is the next
+    attack's ``before``; the last gets a quiet phase of its own)."""
+
+    outcome: Outcome
+    before: float
+    during: float
+    after: float = float("nan")
+    load: float = float("nan")  # the 1-minute load average at the end of the attack
+
+    @property
+    def ratio(self) -> float:
+        """During vs the mean of the quiet phases before and after: the baseline drifts with the machine's load."""
+        quiet = [q for q in (self.before, self.after) if q == q]
+        return self.during / (sum(quiet) / len(quiet)) if quiet and sum(quiet) > 0 else float("nan")
+
+
+def iter_results(cluster: Cluster, rates: list[float], phase_s: float, only: str = "") -> Iterator[Row]:
+    previous: Row | None = None
     for name, attack in attacks(rates):
         if only and only not in name:
             continue
-        result = run_attack(cluster, name, attack, phase_s)
-        outcome, before, during = result
+        outcome, before, during = run_attack(cluster, name, attack, phase_s)
+        row = Row(outcome, before, during, load=os.getloadavg()[0])
+        if previous is not None:
+            previous.after = before
+            yield previous
         codes = ", ".join(f"{k} x{v}" for k, v in outcome.codes.most_common())
         print(f"{name}: {codes}; steps/s {before:.1f} -> {during:.1f} {outcome.note}", flush=True)
-        yield result
+        previous = row
+    if previous is not None:
+        previous.after = steps_per_s(cluster, phase_s)
+        yield previous
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,17 +412,18 @@ def main(argv: list[str] | None = None) -> int:
         f"Load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (other work shared the machine).",
         "",
         "A `pstrain local` job (2 PS shards, 2 workers x 1 CPU device) trains while each attack runs from",
-        f"127.0.0.1 for {args.phase_s:g} s; steps/s are measured in a quiet phase just before and during it.",
+        f"127.0.0.1 for {args.phase_s:g} s; steps/s are measured in quiet phases just before and after it and during",
+        "it; the ratio is during / the mean of before and after. The attacker runs on the same cores: its CPU is in",
+        "the note, with the load average at the end of the attack.",
         "",
-        "| attack | codes returned | calls | steps/s before | during | ratio | note |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| attack | codes returned | calls | steps/s before | during | after | ratio | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for outcome, before, during in results:
-        codes = ", ".join(f"{k} x{v}" for k, v in outcome.codes.most_common())
-        ratio = during / before if before > 0 else float("nan")
+    for row in results:
+        codes = ", ".join(f"{k} x{v}" for k, v in row.outcome.codes.most_common())
         lines.append(
-            f"| {outcome.attack} | {codes} | {outcome.calls} | {before:.1f} | {during:.1f} | {ratio:.0%} | "
-            f"{outcome.note} |"
+            f"| {row.outcome.attack} | {codes} | {row.outcome.calls} | {row.before:.1f} | {row.during:.1f} | "
+            f"{row.after:.1f} | {row.ratio:.0%} | {row.outcome.note}; load {row.load:.1f} |"
         )
     lines += ["", f"The job was {'still training' if alive else 'NOT running'} at the end ({final_steps} steps)."]
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -7,18 +7,22 @@ back. Throughput = 2 x model bytes / step time. In the same run the script measu
 * raw TCP: the same bytes sent to another process over loopback and sent back (the bound);
 * gloo: ``torch.distributed.all_reduce`` of the same tensor between 2 processes (what users
   would otherwise pick; its "throughput" uses the same 2 x bytes / time definition).
-* the colocated shared-memory path (issue 12): the same pushes and pulls with the client's
-  ``shared_memory`` on, so the tensor bytes go through ``/dev/shm`` and gRPC carries headers.
-  The streaming rows turn it off (every peer here is on this host).
+* the remote path (issue 12): the client's ``shared_memory`` off (every peer here is on this
+  host, so the rows would otherwise take the colocated path), payloads on bulk sockets (raw TCP
+  beside gRPC, ``ps_server/bulk.py``): the headline rows; and the same with ``bulk`` off too, the
+  payloads streamed in gRPC messages (what a TLS channel uses), for several chunk sizes;
+* the colocated shared-memory path: the client's ``shared_memory`` on, so the tensor bytes go
+  through ``/dev/shm`` and gRPC carries headers.
 
 PS shards run in their own processes, as in production (an asyncio gRPC server with the
 data plane's byte-level serializers). Results go to ``bench/results/pushpull.md``.
 
 Copies per direction (``--copies``, on when gdb is installed): the script runs itself under
 gdb for one push, one pull of an already-encoded version and one first pull of a new version
-of a 4 MiB shard (client and server in one process), counts the bytes every libc
-memcpy/memmove of 4 KiB or more moves, and divides by the payload: user-space copies of each
-payload byte, gRPC's own included (see ``protos/codec.py``).
+of a 4 MiB shard (client and server in one process), over bulk sockets and over gRPC streams,
+counts the bytes every libc memcpy/memmove of 4 KiB or more moves, and divides by the payload:
+user-space copies of each payload byte, gRPC's own included (see ``protos/codec.py``). The
+kernel's socket copies (two per direction, as for raw TCP) are not counted.
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, conn) 
     servicer.close_shared_memory()
 
 
-def time_pushpull(total: int, shards: int, chunk_bytes: int, steps: int, shared_memory: bool = False) -> list[float]:
+def time_pushpull(
+    total: int, shards: int, chunk_bytes: int, steps: int, shared_memory: bool = False, bulk: bool = True
+) -> list[float]:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for shard_id in range(shards):
@@ -87,6 +93,7 @@ def time_pushpull(total: int, shards: int, chunk_bytes: int, steps: int, shared_
             push_timeout_s=600,
             pull_timeout_s=600,
             shared_memory=shared_memory,
+            bulk=bulk,
         )
         grads = torch.randn(total)
         params = torch.empty(total)
@@ -100,6 +107,8 @@ def time_pushpull(total: int, shards: int, chunk_bytes: int, steps: int, shared_
         counts = client.shared.counts
         if shared_memory and counts.streamed_bytes:
             raise RuntimeError(f"the shared-memory run streamed {counts.streamed_bytes} bytes")
+        if not shared_memory and bulk and (client.bulk._off or not any(client.bulk._idle.values())):
+            raise RuntimeError("the bulk-socket run did not use bulk sockets")
         client.close()
         return times
     finally:
@@ -222,9 +231,11 @@ delete
 continue
 """
 PROBE_PHASES = {
-    "push": "push",
-    "pull": "pull (per pull)",
-    "pull-new": "first pull of a version (+ encoding)",
+    "bulk-push": "push, bulk socket",
+    "bulk-pull": "pull, bulk socket",
+    "push": "push, gRPC stream",
+    "pull": "pull (per pull), gRPC stream",
+    "pull-new": "first pull of a version (+ encoding), gRPC stream",
 }
 
 
@@ -235,14 +246,15 @@ def copy_probe(phase: str) -> None:
     server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
     shard = ParameterShard(0, 0, numel, torch.zeros(numel), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(), 2)
     servicer.attach(shard, numel * 4)
-    client = PsClient([f"127.0.0.1:{server.port}"], numel, chunk_bytes=numel * 4, shared_memory=False)
+    bulk = phase.startswith("bulk-")
+    client = PsClient([f"127.0.0.1:{server.port}"], numel, chunk_bytes=numel * 4, shared_memory=False, bulk=bulk)
     grad, out = torch.ones(numel), torch.empty(numel)
+    client.push(grad, 0, 0, 1).wait()  # the step's first contribution (and the bulk socket's handshake)
     client.pull(0, out)  # warm up the channel; version 0 is encoded
-    client.push(grad, 0, 0, 1).wait()  # the step's first contribution
     if phase == "pull-new":
         client.push(grad, 1, 0, 1).wait()  # version 1 exists, nobody has pulled it
     os.kill(os.getpid(), signal.SIGTRAP)
-    if phase == "push":
+    if phase.endswith("push"):
         client.push(grad, 1, 0, 1).wait()
     else:
         client.pull(1 if phase == "pull-new" else 0, out)
@@ -274,7 +286,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", type=int, default=25_000_000)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--chunk-kib", default="256,512,1024,4096", help="chunk sizes to sweep for S=1")
+    parser.add_argument("--chunk-kib", default="256,512,1024,4096", help="chunk sizes to sweep for S=1 over gRPC")
     parser.add_argument("--default-chunk-kib", type=int, default=512)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pushpull.md"))
     parser.add_argument(
@@ -288,6 +300,7 @@ def main() -> int:
     if args.copy_probe:
         copy_probe(args.copy_probe)
         return 0
+    load_start = os.getloadavg()[0]
     gdb = shutil.which("gdb")
     copies = count_copies(gdb) if gdb and args.copies is not False else {}
 
@@ -303,17 +316,22 @@ def main() -> int:
 
     tcp = record("raw TCP loopback (send + receive)", time_raw_tcp(nbytes, args.steps))
     gloo = record("gloo all_reduce, 2 processes", time_gloo(args.params, args.steps))
+    default = args.default_chunk_kib
+    s1 = record("pstrain push+pull S=1, bulk sockets", time_pushpull(args.params, 1, default * 1024, args.steps))
+    s2 = record("pstrain push+pull S=2, bulk sockets", time_pushpull(args.params, 2, default * 1024, args.steps))
     sweep = {}
     for kib in [int(k) for k in args.chunk_kib.split(",")]:
         sweep[kib] = record(
-            f"pstrain push+pull S=1, chunk {kib} KiB", time_pushpull(args.params, 1, kib * 1024, args.steps)
+            f"pstrain push+pull S=1, gRPC stream, chunk {kib} KiB",
+            time_pushpull(args.params, 1, kib * 1024, args.steps, bulk=False),
         )
-    default = args.default_chunk_kib
-    s1 = sweep.get(default) or record(
-        f"pstrain push+pull S=1, chunk {default} KiB", time_pushpull(args.params, 1, default * 1024, args.steps)
+    g1 = sweep.get(default) or record(
+        f"pstrain push+pull S=1, gRPC stream, chunk {default} KiB",
+        time_pushpull(args.params, 1, default * 1024, args.steps, bulk=False),
     )
-    s2 = record(
-        f"pstrain push+pull S=2, chunk {default} KiB", time_pushpull(args.params, 2, default * 1024, args.steps)
+    g2 = record(
+        f"pstrain push+pull S=2, gRPC stream, chunk {default} KiB",
+        time_pushpull(args.params, 2, default * 1024, args.steps, bulk=False),
     )
     shm1 = record(
         "pstrain push+pull S=1, shared memory", time_pushpull(args.params, 1, default * 1024, args.steps, True)
@@ -331,23 +349,27 @@ def main() -> int:
     print(f"{rows[-1][0]:<40} {rows[-1][1] * 1e3:9.1f} ms", flush=True)
 
     ratios = [
-        ("pstrain S=1 / raw TCP", s1 / tcp),
-        ("pstrain S=2 / raw TCP", s2 / tcp),
-        ("pstrain S=1 / gloo all_reduce", s1 / gloo),
-        ("pstrain S=2 / gloo all_reduce", s2 / gloo),
+        ("pstrain remote (bulk sockets) S=1 / raw TCP", s1 / tcp),
+        ("pstrain remote (bulk sockets) S=2 / raw TCP", s2 / tcp),
+        ("pstrain remote (bulk sockets) S=1 / gloo all_reduce", s1 / gloo),
+        ("pstrain remote (bulk sockets) S=2 / gloo all_reduce", s2 / gloo),
+        (f"pstrain gRPC stream S=1 (chunk {default} KiB) / raw TCP", g1 / tcp),
+        (f"pstrain gRPC stream S=2 (chunk {default} KiB) / raw TCP", g2 / tcp),
         ("pstrain shared memory S=1 / raw TCP", shm1 / tcp),
         ("pstrain shared memory S=2 / raw TCP", shm2 / tcp),
     ]
     print()
     for name, ratio in ratios:
-        print(f"{name:<40} {ratio:6.2f}x")
+        print(f"{name:<55} {ratio:6.2f}x")
 
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0]  # other processes on the host skew every row, the ratios less
+    print(f"load average at the start {load_start:.1f}, at the end {load:.1f}")
     lines = [
         "# Push+pull throughput (bench/pushpull.py)",
         "",
-        f"Run {when} on {platform.machine()} with {os.cpu_count()} cores (load average {load:.1f} at the end), "
+        f"Run {when} on {platform.machine()} with {os.cpu_count()} cores (load average {load_start:.1f} at the "
+        f"start, {load:.1f} at the end: other sessions share the cores), "
         f"Python {platform.python_version()}, "
         f"torch {torch.__version__}, grpcio {grpc.__version__}. Model: {args.params:,} float32 parameters "
         f"({nbytes / MB:.0f} MB), one worker, {args.steps} timed steps after 2 warm-up steps (median). "
@@ -375,6 +397,14 @@ def main() -> int:
             "",
         ]
     lines += [
+        "Remote path on bulk sockets, by construction: the client writes the payload with ``sendall`` straight from "
+        "the tensor and the shard reads it with ``recv_into`` straight into its staging buffer (push); the shard "
+        "writes from the published parameters and the client reads into the caller's buffer (pull): 0 user-space "
+        "copies per direction, the kernel's 2 (as raw TCP). Over a gRPC stream (TLS channels, bulk off): 1 out of "
+        "the tensor (ours), 3 in gRPC Python (a slice to send, a ``bytes`` per received slice, their join), 1 into "
+        "the destination (ours), plus 1 per published version for every pull of it (the shared encoding); gdb counts "
+        "one more for a push, inside gRPC (not attributed).",
+        "",
         "Shared-memory path (colocated; gRPC carries the header and the acknowledgement only), user-space copies "
         "of each payload byte by construction (torch ``copy_`` calls, which the gdb probe above cannot see):",
         "",

@@ -20,6 +20,9 @@ For each case (8 x Linear(1024) MLP at 64 and 256 samples per process, a small t
   push (the wait for acknowledgements after backward), exposed pull (forward's waits for buckets
   of new parameters) and the shard's optimizer update (summed over its pieces).
   ``--bucket-bytes`` sets pstrain's ``transport.bucket_bytes`` (S4 overlap; 0: one bucket).
+* CPU per step, both systems: DDP's ranks time ``time.process_time()`` over their measured steps; pstrain's
+  members report ``process_cpu_seconds_total`` in the same two scrapes. On a machine whose cores every
+  process shares, CPU per step bounds the step time from below and depends less on other load than it.
 
 Both systems: same factories (below, imported by path by pstrain's processes), same seeded
 initial weights, SGD lr 0.01 momentum 0.9 with gradients averaged over the 2 processes
@@ -216,12 +219,16 @@ def _ddp_rank(rank: int, case: Case, port: int, steps: Steps, result: str) -> No
             return time.perf_counter() - started
 
         dist.barrier()
-        times = [step() for _ in range(steps.warm + steps.measured)][steps.warm :]
+        for _ in range(steps.warm):
+            step()
+        cpu_started = time.process_time()  # every thread of the rank, gloo's included
+        times = [step() for _ in range(steps.measured)]
+        cpu_s = time.process_time() - cpu_started
         dist.barrier()
         with model.no_sync():  # the same loop without the all-reduce: DDP's compute alone
             compute = [step() for _ in range(steps.ddp_compute + 1)][1:]
         gathered: list[Any] = [None] * PROCESSES
-        dist.all_gather_object(gathered, {"times": times, "compute": compute})
+        dist.all_gather_object(gathered, {"times": times, "compute": compute, "cpu_s": cpu_s})
         if rank == 0:
             Path(result).write_text(json.dumps(gathered))
     finally:
@@ -244,6 +251,7 @@ def run_ddp(case: Case, steps: Steps, work: Path) -> dict[str, Any]:
     return {
         "step_s": [max(values) for values in zip(*(r["times"] for r in ranks), strict=True)],
         "compute_s": [max(values) for values in zip(*(r["compute"] for r in ranks), strict=True)],
+        "cpu_ms": 1e3 * sum(r["cpu_s"] for r in ranks) / steps.measured,  # both ranks, per measured step
     }
 
 
@@ -269,7 +277,7 @@ def _job(
 
 
 def _scrape(address: str) -> dict[str, float]:
-    """Every ``pstrain_*_sum`` / ``_count`` sample of one Prometheus endpoint."""
+    """Every ``pstrain_*_sum`` / ``_count`` sample of one Prometheus endpoint, and the process's CPU seconds."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
@@ -278,7 +286,8 @@ def _scrape(address: str) -> dict[str, float]:
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name.startswith("pstrain_") and sample.name.endswith(("_sum", "_count"))
+        if (sample.name.startswith("pstrain_") and sample.name.endswith(("_sum", "_count")))
+        or sample.name == "process_cpu_seconds_total"
     }
 
 
@@ -298,6 +307,11 @@ def _total_ms(before: list[dict[str, float]], after: list[dict[str, float]], his
     return 1e3 * sum(
         a.get(f"{histogram}_sum", 0.0) - b.get(f"{histogram}_sum", 0.0) for b, a in zip(before, after, strict=True)
     )
+
+
+def _counter_ms(before: list[dict[str, float]], after: list[dict[str, float]], counter: str) -> float:
+    """How much ``counter`` (seconds) grew between two scrapes, summed over the members, in ms."""
+    return 1e3 * sum(a.get(counter, 0.0) - b.get(counter, 0.0) for b, a in zip(before, after, strict=True))
 
 
 def run_pstrain(
@@ -340,9 +354,10 @@ def run_pstrain(
                     if event.global_batch == 0:
                         return  # the job is over
                     if not endpoints:
-                        members = stub.GetJobStatus(pb.JobStatusRequest(), timeout=30).members
+                        status = stub.GetJobStatus(pb.JobStatusRequest(), timeout=30)
                         for role in ("worker", "ps"):
-                            endpoints[role] = sorted(m.metrics_address for m in members if m.role == role)
+                            endpoints[role] = sorted(m.metrics_address for m in status.members if m.role == role)
+                        endpoints["coordinator"] = [status.metrics_address] if status.metrics_address else []
                     mark = marks.get(event.step + 1)
                     if mark is not None:
                         scrapes[mark] = {role: [_scrape(a) for a in addresses] for role, addresses in endpoints.items()}
@@ -375,6 +390,11 @@ def run_pstrain(
         # S4: a shard updates each piece on its own; the update of a step is the sum over its pieces
         "update_ms": _total_ms(before["ps"], after["ps"], "pstrain_ps_update_seconds")
         / (steps.measured * len(after["ps"])),
+        # CPU time per measured step, summed over the processes of each kind (process_cpu_seconds_total)
+        **{
+            f"cpu_{role}_ms": _counter_ms(before[role], after[role], "process_cpu_seconds_total") / steps.measured
+            for role in ("worker", "ps", "coordinator")
+        },
         "loss_first": records[0]["loss"],
         "loss_last": records[-1]["loss"],
     }
@@ -429,6 +449,7 @@ def run_pstrain_isolated(
 
 
 BREAKDOWN = ("compute_ms", "push_ms", "pull_ms", "update_ms", "worker_step_ms")
+CPU_ROLES = ("worker", "ps", "coordinator")
 
 
 @dataclass
@@ -460,6 +481,14 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.pstrain_step_ms / self.ddp_step_ms
+
+    @property
+    def ddp_cpu_ms(self) -> float:
+        return statistics.fmean(run["cpu_ms"] for run in self.ddp_runs)
+
+    @property
+    def pstrain_cpu_ms(self) -> float:
+        return sum(self.pstrain_mean(f"cpu_{role}_ms") for role in CPU_ROLES)
 
     def rounds(self) -> str:
         ddp = ", ".join(f"{1e3 * statistics.median(run['step_s']):.0f}" for run in self.ddp_runs)
@@ -512,6 +541,24 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+CPU_HEADER = (
+    "| case | DDP CPU ms/step | pstrain CPU ms/step | pstrain / DDP | workers | shards | coordinator |\n"
+    "|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def cpu_table(rows: list[Row]) -> str:
+    """CPU time per step summed over each system's processes: what the shared cores must carry per step."""
+    lines = [CPU_HEADER]
+    for r in rows:
+        workers, shards, coordinator = (r.pstrain_mean(f"cpu_{role}_ms") for role in CPU_ROLES)
+        lines.append(
+            f"| {r.case.name} | {r.ddp_cpu_ms:.1f} | {r.pstrain_cpu_ms:.1f} "
+            f"| **{r.pstrain_cpu_ms / r.ddp_cpu_ms:.2f}x** | {workers:.1f} | {shards:.1f} | {coordinator:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def write_results(
     rows: list[Row], steps: Steps, args: argparse.Namespace, loads: tuple[str, str], wall_s: float
 ) -> None:
@@ -554,6 +601,10 @@ def write_results(
 
 pstrain / DDP above 1 means pstrain is slower; issue 12's target is at most 1.0x.
 
+CPU time per measured step, summed over all processes of each system (mean over the rounds):
+
+{cpu_table(rows)}
+
 - **DDP step**: median over the measured iterations (per iteration, the slower rank's) of next batch +
   zero_grad + forward + backward (with DDP's all-reduce) + `SGD.step`. **DDP compute**: the same loop under
   `no_sync()` ({steps.ddp_compute} iterations per round, no all-reduce); DDP step - DDP compute is DDP's exposed
@@ -573,6 +624,10 @@ pstrain / DDP above 1 means pstrain is slower; issue 12's target is at most 1.0x
   buckets of new parameters (it includes waiting for the slower worker and the shards' updates).
   **update**: the shards' `pstrain_ps_update_seconds` summed over a shard's pieces, mean per shard and step
   (the shards update their ranges in parallel, and pieces while backward still runs).
+- **CPU ms/step**: DDP: `time.process_time()` of each rank over its measured steps, summed over the ranks, per
+  step. pstrain: `process_cpu_seconds_total` of every worker, shard and the coordinator (their Prometheus
+  endpoints, the same two scrapes), per measured step. With {cores} cores shared by everything, a step cannot take
+  less than about CPU ms / {cores}; this figure depends less on the machine's other load than the step time.
 
 Median step per round:
 
@@ -658,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     load_end = _load()
-    print(f"load average at end: {load_end}\n\n{table(rows)}")
+    print(f"load average at end: {load_end}\n\n{table(rows)}\n\n{cpu_table(rows)}")
     if not args.no_write:
         write_results(rows, steps, args, (load_start, load_end), time.monotonic() - started)
         print(f"\nwrote {RESULTS.relative_to(ROOT)}")

@@ -7,7 +7,10 @@ mid-write, or a coordinator killed before committing, leaves the previous commit
 as the resume point. The last ``keep`` manifests are kept.
 
 A manifest names the job file it belongs to (``job_hash``); resuming a different job file
-from it is refused, never silently mixed.
+from it is refused, never silently mixed. It also records what a resume needs beyond the step
+(``resume_state``, set by the Job): the workers training step ``t`` (``cluster.min_workers`` may have
+dropped some) and, once a slot's data was adopted or released, the data-shard tracker's state at ``t``;
+a step whose state cannot be told any more is not committed (a later one is).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pstrain.coordinator.buffer_store import BufferStore, prune_buffers
 from pstrain.runtime.atomic_io import atomic_write
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,8 @@ class Manifest:
     per_worker_batch: int
     committed_unix_s: float
     format: int = FORMAT_VERSION
+    worker_ids: list[int] | None = None  # the workers of step ``step``; None: every slot (an older manifest)
+    tracker: dict[str, Any] | None = None  # DataShardTracker.state_at(step); None: positioned from the step alone
 
 
 def job_hash(config: dict[str, Any]) -> str:
@@ -102,6 +109,8 @@ class CheckpointLedger:
         self._template = template
         self._keep = keep
         self._confirmed: dict[int, set[int]] = {}  # step -> shards that wrote it
+        self.buffers: BufferStore | None = None  # issue 11: the workers' buffers, set by the Job; they gate commits
+        self.resume_state: Callable[[int], dict[str, Any] | None] | None = None  # set by the Job: worker_ids, tracker
         self._lock = threading.Lock()
         steps = committed_steps(directory)
         self.last_committed = steps[-1] if steps else -1
@@ -117,6 +126,9 @@ class CheckpointLedger:
     def commit(self, completed_steps: int) -> Manifest | None:
         """Commit the newest step every shard has written and the job has recorded; None if none is new.
 
+        With a model that has buffers (``buffers``), a step also needs every worker slot's buffers of
+        it; they are written (``buffers-<t>.pt``) before the manifest, so a manifest always has them.
+
         ``completed_steps`` is how many steps the coordinator has recorded: a checkpoint of step
         ``t`` is only committed once steps ``0..t-1`` are in metrics.jsonl, so a resume never
         leaves a gap there (a shard can finish step ``t``'s update before the workers report it).
@@ -125,12 +137,20 @@ class CheckpointLedger:
             ready = [
                 step
                 for step, shards in self._confirmed.items()
-                if len(shards) == self._template.ps_shards and step <= completed_steps
+                if len(shards) == self._template.ps_shards
+                and step <= completed_steps
+                and (self.buffers is None or self.buffers.complete(step))
             ]
-            if not ready:
+            extra: dict[str, Any] | None = None
+            for step in sorted(ready, reverse=True):
+                extra = self.resume_state(step) if self.resume_state is not None else {}
+                if extra is not None:
+                    break
+            if extra is None:
                 return None
-            step = max(ready)
-            manifest = Manifest(**{**asdict(self._template), "step": step, "committed_unix_s": time.time()})
+            manifest = Manifest(**{**asdict(self._template), **extra, "step": step, "committed_unix_s": time.time()})
+            if self.buffers is not None:
+                self.buffers.write(self.directory, step)
             atomic_write(
                 manifest_path(self.directory, step),
                 lambda fh: fh.write(json.dumps(asdict(manifest), indent=1).encode()),
@@ -140,6 +160,7 @@ class CheckpointLedger:
                 del self._confirmed[older]
             for old in committed_steps(self.directory)[: -self._keep]:
                 manifest_path(self.directory, old).unlink(missing_ok=True)
+            prune_buffers(self.directory, committed_steps(self.directory))
             log.info("checkpoint of step %d committed (%d shards)", step, self._template.ps_shards)
             return manifest
 
@@ -147,11 +168,12 @@ class CheckpointLedger:
 def discard(directory: Path) -> None:
     """Forget every committed checkpoint here (``--fresh``, or a finished run trained anew).
 
-    Only the manifests go: without them no shard file is ever used, and each shard prunes the
-    files of a discarded run the first time it writes its own.
+    Only the manifests (and the workers' buffers files beside them) go: without them no shard file
+    is ever used, and each shard prunes the files of a discarded run the first time it writes its own.
     """
     for step in committed_steps(directory):
         manifest_path(directory, step).unlink(missing_ok=True)
+    prune_buffers(directory, [])
 
 
 def resume_point(directory: Path, digest: str, steps: int, fresh: bool, export: Path | None = None) -> Manifest | None:

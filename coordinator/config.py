@@ -43,6 +43,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Every ``*_s`` duration at most: a week (a thread's wait overflows past ~1e9 s)."""
 MAX_BYTES = 2**50
 """Memory sizes and bandwidths at most (1 PiB, 1 PiB/s)."""
+MAX_WAITING_PULLS = 1 << 20
+"""``transport.max_waiting_pulls`` (and ``_per_peer``) at most: each waiting pull holds a little shard memory."""
 DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
 """What ``cluster.devices_per_worker`` may list: ``cpu``, ``cuda``, ``cuda:N``."""
 
@@ -201,10 +203,16 @@ class ClusterConfig:
     workers: int = 2
     devices_per_worker: int | list[str] = 1
     """A count (GPUs 0..N-1, or CPU stand-ins without CUDA) or an explicit list like [cuda:0, cuda:1]."""
+    min_workers: int | None = None
+    """Issue 11: a failed worker not replaced within ``fault.replace_timeout_s`` is dropped (the job goes on with
+    fewer workers, the global batch and the LR scaled down, S1.6) while at least this many remain; otherwise
+    the job rolls back. Default (None): ``workers``, i.e. never shrink."""
 
     def __post_init__(self) -> None:
         _bounded(self.ps_shards, "cluster.ps_shards", 1, MAX_PS_SHARDS)
         _bounded(self.workers, "cluster.workers", 1, MAX_WORKERS)
+        if self.min_workers is not None:
+            _bounded(self.min_workers, "cluster.min_workers", 1, self.workers)
         key = "cluster.devices_per_worker"
         if isinstance(self.devices_per_worker, list):
             _require(len(self.devices_per_worker) >= 1, key, "the device list is empty")
@@ -223,6 +231,11 @@ class ClusterConfig:
             _bounded(self.devices_per_worker, key, 1, MAX_DEVICES_PER_WORKER)
 
     @property
+    def least_workers(self) -> int:
+        """The fewest workers the job goes on with (``min_workers``, default ``workers``)."""
+        return self.workers if self.min_workers is None else self.min_workers
+
+    @property
     def device_count(self) -> int:
         d = self.devices_per_worker
         return len(d) if isinstance(d, list) else d
@@ -235,6 +248,7 @@ class ClusterConfig:
 
 PUSH_DTYPES = ("float32", "bfloat16")
 SHARED_MEMORY = ("auto", "off")
+BULK_SOCKETS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -257,12 +271,36 @@ class TransportConfig:
     shared_memory: str = "auto"
     """Issue 12: ``auto`` moves tensors between a worker and the PS shards on its own host through shared memory
     (/dev/shm; gRPC carries headers only) and streams to the rest; ``off`` always streams."""
+    bulk_sockets: str | bool = "auto"
+    """Issue 12: ``auto`` moves the tensors of a worker and a remote PS shard on a raw TCP socket to the shard's bulk
+    port (``pstrain-ps --bulk-port``; gRPC carries headers, checks and errors), except over TLS, and streams them
+    inside gRPC where that port is off or cannot be reached; ``off`` always streams inside gRPC. YAML reads a bare
+    ``off`` as false, which is taken as ``off`` (and true as ``auto``)."""
+    max_waiting_pulls: int = 4096
+    """Issue 8: pulls waiting at once for a version a PS shard has not published yet, from all peers together; past
+    it a pull is refused at once (RESOURCE_EXHAUSTED, naming this key). Each worker keeps one waiting per bucket
+    piece, so this needs at least ``cluster.workers``; it bounds what a pull flood can hold on a shard."""
+    max_waiting_pulls_per_peer: int = 256
+    """Issue 8: the same limit per peer (a member's credential, else its connection), so one peer's flood is refused
+    while the other workers' pulls are still held. At least the bucket pieces a worker pulls from one shard at once."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "transport")
+        _bounded(self.max_waiting_pulls, "transport.max_waiting_pulls", 1, MAX_WAITING_PULLS)
+        _require(
+            1 <= self.max_waiting_pulls_per_peer <= self.max_waiting_pulls,
+            "transport.max_waiting_pulls_per_peer",
+            f"must be in [1, transport.max_waiting_pulls = {self.max_waiting_pulls}], "
+            f"got {self.max_waiting_pulls_per_peer}",
+        )
         _require(self.push_dtype in PUSH_DTYPES, "transport.push_dtype", f"must be one of {', '.join(PUSH_DTYPES)}")
         _require(
             self.shared_memory in SHARED_MEMORY, "transport.shared_memory", f"must be one of {', '.join(SHARED_MEMORY)}"
+        )
+        if isinstance(self.bulk_sockets, bool):  # YAML 1.1: a bare off is false
+            object.__setattr__(self, "bulk_sockets", "auto" if self.bulk_sockets else "off")
+        _require(
+            self.bulk_sockets in BULK_SOCKETS, "transport.bulk_sockets", f"must be one of {', '.join(BULK_SOCKETS)}"
         )
         _require(4096 <= self.chunk_bytes <= 64 * 1024 * 1024, "transport.chunk_bytes", "must be in [4 KiB, 64 MiB]")
         _require(
@@ -530,6 +568,11 @@ class JobConfig:
                     message = message.replace("embeddings.", key + ".", 1)
                 raise ConfigError(message) from None
         object.__setattr__(self, "embeddings", tables)
+        _require(  # issue 8: every worker keeps a pull waiting on each shard
+            self.transport.max_waiting_pulls >= self.cluster.workers,
+            "transport.max_waiting_pulls",
+            f"must be at least cluster.workers ({self.cluster.workers}), got {self.transport.max_waiting_pulls}",
+        )
         _require(
             self.loss in BUILTIN_LOSSES or ":" in self.loss,
             "loss",

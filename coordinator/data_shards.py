@@ -18,6 +18,18 @@ A replacement that resumes the slot at step ``t`` (the version it pulled) gets t
 pushed), the data shard it was inside is handed out again from the first sample of step ``t``.
 Every completion is kept (``completed_ids``): the ledger that shows each sample trained once.
 
+A slot whose worker was dropped (``cluster.min_workers``, issue 11) is positioned at the step it
+stops at and ``adopt``-ed by a live worker: that worker's requests then take the lowest fresh data
+shard of its own slot and the adopted one, so every data shard is still dispatched once. A worker
+that takes the slot back later (``release``) goes on from where the slot's sequence stands.
+
+From then on a slot's position is no function of the step (the tracker is no longer ``positional``):
+each worker's ``stream`` (the data shards dispatched to it since it began at a step) says what it
+consumed, ``samples_per_step`` a step it contributed to, in dispatch order (``worker/data_feed.py``).
+``_rewind`` gives back what a worker did not consume before a step (a slot repositioned, dropped), and
+``state_at(t)`` is the tracker as it stood at step ``t``: what a committed checkpoint records, so a
+rollback to ``t`` continues the same data assignment (``restore``) and every sample is trained once.
+
 A restarted coordinator rebuilds the tracker from its journal (``coordinator/journal.py``): the
 state at the last compaction (``snapshot``/``restore``) and then the same calls again, which are
 deterministic. A request numbered ``seq`` that is asked again (its reply was lost with the old
@@ -31,12 +43,16 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from pstrain.coordinator.errors import UnknownMember
+
+Consumed = Callable[[int, int], int]
+"""(worker, the step its stream began at) -> samples it consumed from its stream before a given step."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,12 @@ class DataShardTracker:
         self._done = 0
         self._completed: list[int] = []  # data shard ids in completion order (a resumed tracker: since the resume)
         self._last: dict[int, tuple[int, DataShardAssignment]] = {}  # worker -> (seq, data shard) of its last request
+        self._adopted: dict[int, int] = {}  # slot -> the live worker that serves it (cluster.min_workers)
+        self._streams: dict[int, list[DataShardAssignment]] = {}  # worker -> data shards dispatched since its start
+        self._stream_start: dict[int, int] = {}  # worker -> the step its stream began at (default ``_base``)
+        self._base = 0  # the step this tracker began at (a resume)
+        self._settled = 0  # no state before this step can be computed (a stream was folded there)
+        self.positional = True  # every slot's position is step * samples_per_step (no slot adopted or released)
         self._perm_epoch = -1
         self._perm = torch.arange(0)
         self._lock = threading.Lock()
@@ -88,6 +110,40 @@ class DataShardTracker:
     def _slot(self, worker_id: int) -> int:
         return worker_id % self.slots
 
+    def _served(self, worker_id: int) -> list[int]:
+        """The slots a worker takes data shards from: its own, then those it adopted."""
+        own = self._slot(worker_id)
+        return [own, *sorted(slot for slot, w in self._adopted.items() if w == worker_id and slot != own)]
+
+    def adopt(
+        self, worker_id: int, step: int, samples_per_step: int, adopter: int, consumed: Consumed | None = None
+    ) -> list[int]:
+        """``worker_id`` was dropped at ``step``: position its slot there (``reposition``) and let ``adopter``
+        serve it from now on; returns the ids counted done by the positioning."""
+        done = self.reposition(worker_id, step, samples_per_step, consumed)
+        with self._lock:
+            self._adopted[self._slot(worker_id)] = adopter
+            self.positional = False
+        return done
+
+    def release(self, worker_id: int, step: int) -> None:
+        """A worker took ``worker_id``'s dropped slot back from ``step``: it serves the slot again from where it is."""
+        with self._lock:
+            self._adopted.pop(self._slot(worker_id), None)
+            self._streams.pop(worker_id, None)
+            self._stream_start[worker_id] = step
+            self.positional = False
+
+    def stream_start(self, worker_id: int) -> int:
+        with self._lock:
+            return self._stream_start.get(worker_id, self._base)
+
+    @property
+    def pristine(self) -> bool:
+        """Nothing dispatched, positioned or restored yet."""
+        with self._lock:
+            return self.positional and not self._streams and not self._doing and self._next == list(range(self.slots))
+
     def _fresh(self, slot: int) -> DataShardAssignment:
         data_shard_id = self._next[slot]
         self._next[slot] += self.slots
@@ -102,9 +158,11 @@ class DataShardTracker:
             last = self._last.get(worker_id)
             if seq > 0 and last is not None and last[0] == seq and last[1].data_shard_id in self._doing:
                 return last[1]
-            queue = self._requeued[self._slot(worker_id)]
-            data_shard = queue.popleft() if queue else self._fresh(self._slot(worker_id))
+            slots = self._served(worker_id)
+            queue = next((self._requeued[slot] for slot in slots if self._requeued[slot]), None)
+            data_shard = queue.popleft() if queue else self._fresh(min(slots, key=lambda slot: self._next[slot]))
             self._doing[data_shard.data_shard_id] = (worker_id, data_shard)
+            self._streams.setdefault(worker_id, []).append(data_shard)
             if seq > 0:
                 self._last[worker_id] = (seq, data_shard)
             return data_shard
@@ -119,6 +177,7 @@ class DataShardTracker:
         with self._lock:
             if self._doing or any(self._requeued) or self._next != list(range(self.slots)):
                 raise RuntimeError("resume() positions a fresh tracker; this one has dispatched data shards")
+            self._base = self._settled = step
             for slot in range(self.slots):
                 left = step * samples_per_step
                 while left > 0:
@@ -142,9 +201,13 @@ class DataShardTracker:
             self._done += 1
             self._completed.append(data_shard_id)
 
-    def reposition(self, worker_id: int, step: int, samples_per_step: int) -> list[int]:
+    def reposition(
+        self, worker_id: int, step: int, samples_per_step: int, consumed: Consumed | None = None
+    ) -> list[int]:
         """A replacement resumes ``worker_id``'s slot at ``step``: position the slot where an
         uninterrupted run is after ``step`` steps (S2.5); returns the ids counted done here.
+        A tracker no longer ``positional`` rewinds the worker's stream instead (``consumed``: how many
+        samples a worker whose stream began at a step consumed before ``step``).
 
         The slot's dispatched-but-unfinished data shards (held, or already requeued by ``requeue``) are
         dropped: the ones wholly behind the position were trained and pushed by the failed worker before
@@ -152,8 +215,15 @@ class DataShardTracker:
         its first unconsumed sample.
         """
         with self._lock:
+            if not self.positional:
+                if consumed is None:
+                    raise ValueError("a tracker that is not positional needs what the worker consumed")
+                return self._rewind(worker_id, step, consumed)
+            self._streams.pop(worker_id, None)
+            self._stream_start[worker_id] = step
+            self._settled = max(self._settled, step)
             slot = self._slot(worker_id)
-            doing = {dsid for dsid, (w, _) in self._doing.items() if self._slot(w) == slot}
+            doing = {dsid for dsid in self._doing if dsid % self.slots == slot}
             for dsid in doing:
                 del self._doing[dsid]
             # Held, never completed: in flight, or requeued when the worker was declared failed (``requeue``
@@ -179,6 +249,69 @@ class DataShardTracker:
             self._completed.extend(finished)
             return finished
 
+    def _rewind(self, worker_id: int, step: int, consumed: Consumed) -> list[int]:
+        """Give back what ``worker_id`` did not consume before ``step`` (the lock held); returns the ids counted done.
+
+        Its stream's data shards wholly consumed count as done (pushed, maybe never reported); the one it was
+        inside goes back to its slot's queue from the first sample not consumed, the rest whole (a completion
+        of one of them is undone: its samples are trained again). Its stream begins again at ``step``.
+        """
+        stream = self._streams.pop(worker_id, [])
+        start = self._stream_start.get(worker_id, self._base)
+        left = consumed(worker_id, start) if start < step else 0
+        ids = {d.data_shard_id for d in stream}
+        for dsid in [dsid for dsid, (w, _) in self._doing.items() if w == worker_id]:
+            del self._doing[dsid]
+        self._requeued = [deque(d for d in queue if d.data_shard_id not in ids) for queue in self._requeued]
+        completed = set(self._completed)
+        finished: list[int] = []
+        back: list[DataShardAssignment] = []
+        for data_shard in stream:
+            size = len(data_shard.indices)
+            if left >= size:
+                left -= size
+                if data_shard.data_shard_id not in completed:
+                    finished.append(data_shard.data_shard_id)
+                continue
+            back.append(replace(data_shard, indices=data_shard.indices[left:]))
+            left = 0
+            if data_shard.data_shard_id in completed:
+                self._completed.remove(data_shard.data_shard_id)
+                self._done -= 1
+        if left:
+            raise RuntimeError(f"worker {worker_id} consumed {left} samples more than it was handed")
+        for data_shard in reversed(back):
+            self._requeued[data_shard.data_shard_id % self.slots].appendleft(data_shard)
+        self._done += len(finished)
+        self._completed.extend(finished)
+        self._last.pop(worker_id, None)
+        self._stream_start[worker_id] = step
+        self._settled = max(self._settled, step)
+        return finished
+
+    def state_at(self, step: int, consumed: Consumed, workers: tuple[int, ...]) -> dict[str, Any] | None:
+        """The tracker as it stood at step ``step`` with ``workers`` training it, as a ``snapshot`` (what a
+        checkpoint of ``step`` records); None when a stream was folded past ``step`` (it cannot be told).
+
+        Every stream gives back what its worker did not consume before ``step``; a slot not among ``workers``
+        is served by its adopter if that one trains at ``step``, else by the lowest of them.
+        """
+        with self._lock:
+            if step < self._settled:
+                return None
+            state = self._snapshot()
+        at = DataShardTracker(self.dataset_size, self.data_shard_size, self.shuffle, self.seed, self.slots)
+        at.restore(state)
+        with at._lock:
+            for worker_id in list(at._streams):
+                at._rewind(worker_id, step, consumed)
+            at._base, at._stream_start, at._last = step, {}, {}
+            served = {slot: at._adopted.get(slot, min(workers)) for slot in range(self.slots) if slot not in workers}
+            at._adopted = {slot: (w if w in workers else min(workers)) for slot, w in served.items()}
+            if at._doing:
+                raise RuntimeError(f"data shards {sorted(at._doing)} are held by no stream")
+            return at._snapshot()
+
     def completed_ids(self) -> list[int]:
         """Every data shard completed through this tracker, in completion order (duplicates would be a bug)."""
         with self._lock:
@@ -193,9 +326,8 @@ class DataShardTracker:
         """Put a failed worker's unfinished data shards first in line for its slot (S2.5); returns their ids."""
         with self._lock:
             mine = sorted(dsid for dsid, (w, _) in self._doing.items() if w == worker_id)
-            queue = self._requeued[self._slot(worker_id)]
-            for dsid in reversed(mine):
-                queue.appendleft(self._doing.pop(dsid)[1])
+            for dsid in reversed(mine):  # back to the slot it belongs to (an adopted slot's, too)
+                self._requeued[dsid % self.slots].appendleft(self._doing.pop(dsid)[1])
             self._last.pop(worker_id, None)
             return mine
 
@@ -219,14 +351,26 @@ class DataShardTracker:
     def snapshot(self) -> dict[str, Any]:
         """The tracker's state as plain JSON (sample lists as (id, skipped) references)."""
         with self._lock:
-            return {
-                "next": list(self._next),
-                "requeued": [[self._ref(d) for d in queue] for queue in self._requeued],
-                "doing": [[worker, *self._ref(d)] for worker, d in self._doing.values()],
-                "last": [[worker, seq, *self._ref(d)] for worker, (seq, d) in self._last.items()],
-                "done": self._done,
-                "completed": list(self._completed),
-            }
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "next": list(self._next),
+            "requeued": [[self._ref(d) for d in queue] for queue in self._requeued],
+            "doing": [[worker, *self._ref(d)] for worker, d in self._doing.values()],
+            "last": [[worker, seq, *self._ref(d)] for worker, (seq, d) in self._last.items()],
+            "done": self._done,
+            "completed": list(self._completed),
+            "adopted": [[slot, worker] for slot, worker in sorted(self._adopted.items())],
+            "streams": [
+                [w, self._stream_start.get(w, self._base), [self._ref(d) for d in ds]]
+                for w, ds in sorted(self._streams.items())
+            ],
+            "starts": [[w, start] for w, start in sorted(self._stream_start.items())],
+            "base": self._base,
+            "settled": self._settled,
+            "positional": self.positional,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a ``snapshot``'s state (a restarted coordinator, before replaying its journal)."""
@@ -242,6 +386,12 @@ class DataShardTracker:
             self._last = {worker: (seq, self._unref(ref)) for worker, seq, *ref in state["last"]}
             self._done = int(state["done"])
             self._completed = [int(dsid) for dsid in state["completed"]]
+            self._adopted = {int(slot): int(worker) for slot, worker in state.get("adopted", [])}
+            self._streams = {int(w): [self._unref(r) for r in refs] for w, _, refs in state.get("streams", [])}
+            self._stream_start = {int(w): int(start) for w, start in state.get("starts", [])}
+            self._base = int(state.get("base", 0))
+            self._settled = int(state.get("settled", 0))
+            self.positional = bool(state.get("positional", True))
 
     def counts(self) -> DataShardCounts:
         with self._lock:

@@ -4,6 +4,8 @@ The parameters come from the PS shards (``pull`` reads every shard at the final 
 buffers (BatchNorm statistics and the like live on the workers, not the PS) come from worker 0's
 upload. A model with buffers waits for that upload up to ``buffers_wait_s``, then exports with
 the buffers it has (the initial ones). Any failure is raised to the ``Job``, which fails the job.
+Worker 0's buffers are its own to the end, through every resume: a resumed or replacement worker
+loads its slot's buffers of the checkpoint it resumes from first (issue 11, ``buffer_store.py``).
 
 Locking: the export shares the ``Job``'s condition; ``run`` blocks (waits for the buffers, then
 pulls over the network) and never holds the condition while it pulls or writes.

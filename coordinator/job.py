@@ -17,6 +17,18 @@ is positioned there, so the result equals the fault-free run. A slot left vacant
 ``replace_timeout_s`` fails the job retryably: the cluster restarts from the last checkpoint.
 Without ``replace_timeout_s`` (None; ``fault.replace_timeout_s: 0``) any failed worker does that at once.
 
+Unless ``min_workers`` (``cluster.min_workers``) live workers remain without it: then the slot is
+dropped (``_drop``) and the job goes on with fewer workers from the step the failed one did not
+report. The PS shards (``set_ps_workers``: SetWorkers), the step ledger (``workers_at``) and the
+LR and global batch (``_plan_at``, S1.6) change at that step together; a live worker adopts the
+slot's data (every data shard is still dispatched once); the journal's ``workers_changed`` says so,
+each metrics.jsonl line carries its step's ``workers``. A worker that registers later takes a
+dropped slot back (``_joined``/``_grow``) from a step no PS shard can have begun. A committed checkpoint
+records the workers of its step and the data-shard tracker's state there (``_resume_state``); a rollback to
+it resumes with that set (``resume_workers``: the dropped slots stay dropped, each PS shard is told the set
+before it is ready, the global batch and LR follow it) and that data assignment, so every sample is still
+trained once; a worker that registers once the live slots are held takes a dropped one back as above.
+
 A coordinator that dies does not end the job either: restarted, it takes the job back from the
 journal (``journal.py``: the last compaction's snapshot and every event since) instead of rolling
 back, and comes up RUNNING with every member as it was. Members keep training through the outage
@@ -36,7 +48,9 @@ machine, a façade over the parts that do the work:
 * ``ProbeSession`` (probe.py): judges the master worker's probe (S2.1-S2.3);
 * ``StepLedger`` (ledger.py): step reports, one record per step, metrics.jsonl, ``watch``;
 * ``ModelExport`` (export.py): waits for the buffers, pulls the final parameters, writes model.pt;
-* ``DataShardTracker`` (data_shards.py): which samples each worker trains on.
+* ``DataShardTracker`` (data_shards.py): which samples each worker trains on;
+* ``BufferStore`` (buffer_store.py): every worker slot's model buffers at checkpoint steps (issue 11);
+  a checkpoint commits only with them, and a resumed or replacement slot fetches its own back.
 
 Locking: one condition, ``Job._cond`` (over a re-entrant lock), guards the state and every part.
 ``Membership`` and ``ProbeSession`` are plain objects the Job calls with it held; ``StepLedger``
@@ -53,12 +67,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pstrain.coordinator.buffer_store import BufferStore, SlotBuffers
 from pstrain.coordinator.checkpoints import CheckpointLedger
 from pstrain.coordinator.data_shards import DataShardAssignment, DataShardCounts, DataShardTracker
 from pstrain.coordinator.errors import InvalidRequest, NoFreeSlot, ProbeFailed, UnknownMember, WrongState
@@ -74,6 +89,13 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 
 log = logging.getLogger(__name__)
+
+GROW_AHEAD_STEPS = 4
+"""A worker that takes a dropped slot back contributes from this many steps past the last recorded one. While
+the PS shards are told, step reports are answered only afterwards (``_hold_reports``); a worker reports each
+step before it starts the next, so no PS piece gets past 3 steps beyond the last recorded one meanwhile (one
+of lookahead, one pushed before its report, one in flight): every shard takes the change before that step."""
+HOLD_REPORTS_S = 20.0  # the longest a step report's answer waits for the PS shards to take a returning worker
 
 NONFINITE_SETTLE_S = 10.0
 """How long a stop at a non-finite step waits for the reports of the steps before it (``_settle_before``)."""
@@ -147,6 +169,11 @@ class JobStatusView:
     checkpoint_step: int = -1  # the newest committed checkpoint, -1 if none
 
 
+SetPsWorkers = Callable[[list[str], int, list[int], float], list[tuple[bool, bool]]]
+"""(PS addresses, from step, worker ids, scaled LR) -> per shard (every piece, some piece) kept a dropped
+worker's contribution to that step: ``ParameterShard.set_workers`` on every shard (cluster.min_workers)."""
+
+
 class Job:
     def __init__(
         self,
@@ -165,6 +192,9 @@ class Job:
         replace_timeout_s: float | None = None,
         reachable: Callable[[str], bool] | None = None,
         recovery: Recovery | None = None,
+        min_workers: int | None = None,
+        set_ps_workers: SetPsWorkers | None = None,
+        resume_workers: list[int] | None = None,
     ) -> None:
         if not 0 <= start_step < plan.steps:
             raise ValueError(f"start step {start_step} is outside the job's steps 0..{plan.steps - 1}")
@@ -174,8 +204,13 @@ class Job:
         self._checkpoints = checkpoints
         self.replace_timeout_s = replace_timeout_s
         self._reachable = reachable  # whether a worker's address still answers (a newcomer finds the slots full)
+        self.min_workers = plan.workers if min_workers is None else min_workers  # cluster.min_workers (issue 11)
+        self._joining: dict[int, int] = {}  # a worker that took a dropped slot back -> the step it starts at
+        self._holding = False  # step reports are answered after the PS shards heard of a returning worker
+        self._set_ps_workers = set_ps_workers  # tells every PS shard the contributors from a step on
         self.replacements = 0  # workers replaced in place (S2.5)
         self._incarnations: dict[tuple[str, int], int] = dict(recovery.incarnations) if recovery is not None else {}
+        self._confirmations: dict[int, set[int]] = {}  # step -> shards that confirmed it, not committed: journaled
         self.journal = Journal(out_dir / JOURNAL_NAME) if out_dir is not None else None  # the decisions, fsynced
         if self.journal is not None and recovery is None:
             self.journal.reset()  # a new job (or a rollback): the journal starts with it
@@ -199,14 +234,30 @@ class Job:
         self._probe = ProbeSession(probe) if probe is not None else None
         self.ledger = StepLedger(
             plan.workers,
-            lambda step: self.plan.lr_at(step),
+            lambda step: self._plan_at(step).lr_at(step),
             out_dir / "metrics.jsonl" if out_dir is not None else None,
             clock,
             self._cond,
             recovery.completed if recovery is not None else start_step,
             lookahead=1,  # a worker that overlaps its next pull reports ahead of a slower peer
         )
+        self._resumed_workers: tuple[int, ...] | None = None  # a checkpoint's smaller set: PS shards told at ready
+        if resume_workers is not None and set(resume_workers) != set(range(plan.workers)):
+            if set_ps_workers is None:
+                raise ValueError("resuming with fewer workers needs set_ps_workers")
+            self._resumed_workers = self.ledger.note_workers(start_step, resume_workers)
+            for slot in sorted(set(range(plan.workers)) - set(resume_workers)):
+                self.membership.drop_slot(slot)
         self.export = ModelExport(model, out_dir, pull_final, heartbeat_timeout_s, self._cond)
+        self.buffers = BufferStore(  # issue 11 (buffer_store.py): checkpoint t needs the slots that trained step t-1
+            model.model, plan.workers, plan.devices_per_worker, lambda t: self.ledger.workers_at(max(t - 1, 0))
+        )
+        if checkpoints is not None:
+            checkpoints.buffers = self.buffers  # a checkpoint commits with every slot's buffers
+            checkpoints.resume_state = self._resume_state  # and with the workers and data assignment of its step
+            self.buffers.load(checkpoints.directory, checkpoints.last_committed if recovery else start_step)
+            # uploads not yet committed are kept on disk: a job taken back from its journal still has them
+            self.buffers.spool(checkpoints.directory, checkpoints.last_committed if recovery is not None else None)
         if recovery is not None:
             self._recover(recovery)
 
@@ -219,8 +270,13 @@ class Job:
             raise JournalUnusable("every step was recorded: the export is redone from the last checkpoint")
         try:
             self._take_back(recovery)
+            if self._checkpoints is not None:  # a shard confirms a step once: those before the restart count
+                for shard_id, step in recovery.confirmations:
+                    self._checkpoints.confirm(shard_id, step)
         except (UnknownMember, InvalidRequest, WrongState, KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise JournalUnusable(f"replaying the journal failed: {exc}") from exc
+        if self._checkpoints is not None:
+            self._commit(self.ledger.completed)  # the coordinator died between the last confirmation and the commit
         log.warning(
             "recovered job %s from its journal at step %d (checkpoint %d): %d members may reattach within %.0fs",
             self.job_id,
@@ -234,9 +290,11 @@ class Job:
         with self._cond:
             self.membership.restore(recovery.members)
             self.replacements = recovery.replacements
+            if recovery.worker_sets:
+                self.ledger.restore_worker_sets(recovery.worker_sets)
             if recovery.tracker is not None:
                 self.data_shards.restore(recovery.tracker)
-            elif recovery.start_step:
+            elif recovery.start_step and self.data_shards.pristine:  # else restored from the checkpoint already
                 self.data_shards.resume(recovery.start_step, self._samples_per_worker)
             for op in recovery.tracker_ops:
                 self._replay(op)
@@ -249,6 +307,9 @@ class Job:
                 self._after_record(self.ledger.add(report))
                 if report.step == self.plan.steps - 1:
                     self.membership.worker(report.worker_id).done = True
+            for shard_id, step in recovery.confirmations:
+                if step > self.checkpoint_step:
+                    self._confirmations.setdefault(step, set()).add(shard_id)
             self._compact()  # the journal is whole again from here
 
     def _replay(self, op: dict[str, object]) -> None:
@@ -263,8 +324,37 @@ class Job:
             self.data_shards.complete(worker, int(op["data_shard"]))  # type: ignore[call-overload]
         elif kind == "worker_failed":
             self.data_shards.requeue(worker)
+        elif kind == "workers_changed":
+            start = int(op["from_step"])  # type: ignore[call-overload]
+            self.ledger.note_workers(start, list(op["ids"]))  # type: ignore[call-overload]
+            if op.get("joined"):
+                self.data_shards.release(worker, start)
+            else:
+                adopter = int(op["adopter"])  # type: ignore[call-overload]
+                self.data_shards.adopt(worker, start, self._samples_per_worker, adopter, self._consumed(start))
         elif kind == "worker_rejoined":
-            self.data_shards.reposition(worker, int(op["step"]), self._samples_per_worker)  # type: ignore[call-overload]
+            step = int(op["step"])  # type: ignore[call-overload]
+            self.data_shards.reposition(worker, step, self._samples_per_worker, self._consumed(step))
+
+    def _consumed(self, step: int) -> Callable[[int, int], int]:
+        """(worker, the step its data stream began at) -> the samples it consumed before ``step``: a worker's
+        batch for every step it trained (the lock held while it is called)."""
+
+        def consumed(worker_id: int, start: int) -> int:
+            steps = sum(worker_id in self.ledger.workers_at(k) for k in range(start, step))
+            return steps * self._samples_per_worker
+
+        return consumed
+
+    def _resume_state(self, step: int) -> dict[str, Any] | None:
+        """What checkpoint ``step``'s manifest records beyond the step: its workers and, once a slot's data
+        moved (``cluster.min_workers``), the tracker's state there; None while it cannot be told."""
+        with self._cond:
+            workers = self.ledger.workers_at(step)
+            tracker = self.data_shards.state_at(step, self._consumed(step), workers)
+            if tracker is None and not self.data_shards.positional:
+                return None
+            return {"worker_ids": list(workers), "tracker": tracker if not self.data_shards.positional else None}
 
     def _reattached(self, role: str, member_id: int) -> None:
         """A member of a recovered job was heard from (the lock held); the last one ends the recovery."""
@@ -286,6 +376,13 @@ class Job:
             "tracker": self.data_shards.snapshot(),
             "reports": [asdict(r) for r in self.ledger.pending_reports()],
             "replacements": self.replacements,
+            "worker_sets": self.ledger.worker_sets(),
+            "confirmations": [
+                [shard_id, step]
+                for step, shards in sorted(self._confirmations.items())
+                if step > self.checkpoint_step
+                for shard_id in sorted(shards)
+            ],
         }
 
     def _job_fields(self) -> dict[str, Any]:
@@ -340,6 +437,9 @@ class Job:
                 raise WrongState(f"job {self.job_id} takes no checkpoints (checkpoint.every_steps is 0 or no dir)")
             if not 0 < step <= self.plan.steps:
                 raise InvalidRequest(f"checkpoint step {step} is outside this job's steps 1..{self.plan.steps}")
+            if step > self.checkpoint_step:  # under the lock: in a compaction's snapshot, or journaled after it
+                self._confirmations.setdefault(step, set()).add(shard_id)
+                self._journal("checkpoint_confirmed", False, shard=shard_id, step=step)
         self._checkpoints.confirm(shard_id, step)
         if self._commit(self.ledger.completed):  # file I/O: outside the job's lock
             with self._cond:
@@ -352,6 +452,8 @@ class Job:
         if manifest is not None:
             self._journal("checkpoint_committed", step=manifest.step)
             with self._cond:
+                for step in [s for s in self._confirmations if s <= manifest.step]:
+                    del self._confirmations[step]
                 if not self.state.over:
                     self._compact()
         return manifest is not None
@@ -367,6 +469,25 @@ class Job:
 
     def ps_ready(self, shard_id: int) -> None:
         with self._cond:
+            address = self.membership.ps(shard_id).address
+            told = self._resumed_workers is not None and self.state == JobState.WAITING and not self.recovered
+            lr = self._plan_at(self._start_step).scaled_lr
+        if told:  # before any worker may push: a worker waits for every shard to be ready
+            assert self._resumed_workers is not None and self._set_ps_workers is not None
+            try:
+                self._set_ps_workers([address], self._start_step, list(self._resumed_workers), lr)
+            except Exception as exc:  # noqa: BLE001 - a shard that waits for a dropped worker would hang the job
+                log.exception("telling PS shard %d the resumed checkpoint's workers failed", shard_id)
+                self.fail(f"could not tell PS shard {shard_id} the workers {list(self._resumed_workers)}: {exc}")
+                raise WrongState(self.message) from exc
+            log.info(
+                "PS shard %d goes on with workers %s from step %d (lr %g), as the checkpoint it resumed from",
+                shard_id,
+                list(self._resumed_workers),
+                self._start_step,
+                lr,
+            )
+        with self._cond:
             self.membership.ps_ready(shard_id)
             self._journal_members()
             self._maybe_start()
@@ -376,9 +497,11 @@ class Job:
         try:
             return self._register_worker(address, devices, hostname, metrics_address).id
         except NoFreeSlot:
-            if not self._vacate_unreachable():
-                raise
-            return self._register_worker(address, devices, hostname, metrics_address).id
+            if self._vacate_unreachable():
+                return self._register_worker(address, devices, hostname, metrics_address).id
+            member = self._register_worker(address, devices, hostname, metrics_address, take_dropped=True)
+            self._grow(member.id)
+            return member.id
 
     def worker_slot(self, worker_id: int) -> WorkerSlot:
         """What a worker is served on registration: a replacement is configured like the failed worker."""
@@ -389,23 +512,29 @@ class Job:
                 devices=list(member.devices),
                 device_memory_bytes=self.worker_device_bytes,
                 host_memory_bytes=self.worker_host_bytes,
-                start_step=self.ledger.first_unreported(worker_id),
+                start_step=self._joining.get(worker_id, self.ledger.first_unreported(worker_id)),
             )
 
     @property
     def replaces_workers(self) -> bool:
         return self.replace_timeout_s is not None
 
-    def _register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str) -> Member:
+    def _register_worker(
+        self, address: str, devices: list[str], hostname: str, metrics_address: str, take_dropped: bool = False
+    ) -> Member:
         with self._cond:
             self._check_not_over()
+            if take_dropped:
+                self._check_may_grow()
             restarted = self.membership.restarted_worker(address, hostname) if self.state != JobState.WAITING else None
             if restarted is not None:
                 if self.state != JobState.RUNNING or not self.replaces_workers:
                     self._roll_back(f"worker {restarted} on host {hostname} restarted")
                 self._vacate(restarted, f"it restarted on host {hostname}")
-            member = self.membership.register_worker(address, devices, hostname, metrics_address)
-            if member.replacement:
+            member = self.membership.register_worker(address, devices, hostname, metrics_address, take_dropped)
+            if take_dropped:
+                self._joined(member.id)
+            elif member.replacement:
                 self.replacements += 1
             self._journal(
                 "worker_registered", worker=member.id, address=address, host=hostname, replacement=member.replacement
@@ -461,6 +590,8 @@ class Job:
             member = self.membership.worker(worker_id)
             if self.state.over:
                 return self._directive()
+            if worker_id in self._joining:
+                return self._returned(worker_id, step, inconsistent)
             completed = self.ledger.completed
             unreported = self.ledger.first_unreported(worker_id)
             if inconsistent or not completed <= step <= unreported + 1:
@@ -473,7 +604,7 @@ class Job:
                 self._journal("report", False, report=asdict(stand_in))
                 self._after_record(record)
             member.last_seen = self._clock()
-            done = self.data_shards.reposition(worker_id, step, self._samples_per_worker)
+            done = self.data_shards.reposition(worker_id, step, self._samples_per_worker, self._consumed(step))
             self._journal("worker_rejoined", worker=worker_id, step=step, data_shards_done=done)
         log.info("worker %d resumes its slot at step %d (data shards %s counted done)", worker_id, step, done)
         return self._directive()
@@ -588,6 +719,7 @@ class Job:
 
     def report_step(self, report: StepReport) -> Directive:
         directive, completed = self._record_step(report)
+        self._hold_reports()
         if self._checkpoints is not None and completed is not None:
             self._commit(completed)  # a checkpoint waiting for this step's record; outside the lock
         return directive
@@ -664,6 +796,37 @@ class Job:
     def records(self) -> list[StepRecord]:
         return self.ledger.records
 
+    def buffers_wanted(self, worker_id: int, step: int) -> bool:
+        """Issue 11: whether slot ``worker_id``'s buffers of ``step`` are to be taken (False: committed already);
+        raises when they may not be sent at all. Asked before an upload's payload is read, and again with it."""
+        every = self.spec.checkpoint_every_steps
+        with self._cond:
+            if self.membership.worker(worker_id).failed:
+                raise WrongState(f"worker {worker_id} was declared failed; its buffers are not taken")
+            if self._checkpoints is None or every <= 0:
+                raise WrongState(f"job {self.job_id} takes no checkpoints (checkpoint.every_steps is 0 or no dir)")
+            if not 0 < step <= self.plan.steps or (step % every and step != self.plan.steps):
+                raise InvalidRequest(
+                    f"step {step} is not a checkpoint step of this job (every {every}, last {self.plan.steps})"
+                )
+            return step > self.checkpoint_step  # else committed already (a replacement redid it): the same buffers
+
+    def checkpoint_buffers(self, worker_id: int, step: int, buffers: SlotBuffers) -> None:
+        """Issue 11: slot ``worker_id``'s buffers after the update to checkpoint ``step``; the last slot's
+        (with every shard's confirmation and the step recorded) commits it."""
+        if not self.buffers_wanted(worker_id, step):
+            return
+        self.buffers.put(worker_id, step, buffers)
+        if self._commit(self.ledger.completed):  # file I/O: outside the job's lock
+            with self._cond:
+                self._cond.notify_all()
+
+    def slot_buffers(self, worker_id: int, step: int) -> tuple[int, SlotBuffers] | None:
+        """Slot ``worker_id``'s newest buffers at or before ``step`` (the version it trains from), and their step."""
+        with self._cond:
+            self.membership.worker(worker_id)
+        return self.buffers.newest(worker_id, step)
+
     def upload_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         self.export.upload_buffers(buffers)
 
@@ -702,7 +865,14 @@ class Job:
 
     def check_liveness(self) -> None:
         """A silent worker while RUNNING is vacated for a replacement (S2.5); a slot vacant past
-        ``replace_timeout_s``, or any other silent member, fails the job (retryably: rollback)."""
+        ``replace_timeout_s`` is dropped while ``min_workers`` allows (``_drop``), else it fails the job
+        (retryably: rollback), as any other silent member does."""
+        dropping: list[int] = []
+        self._check_liveness(dropping)
+        for worker_id in dropping:  # network I/O to the PS shards: outside the lock
+            self._drop(worker_id)
+
+    def _check_liveness(self, dropping: list[int]) -> None:
         with self._cond:
             if self.state.over:
                 return
@@ -712,7 +882,9 @@ class Job:
                 now = self._clock()
                 for worker_id in self.membership.vacant_slots():
                     waited = now - self.membership.worker(worker_id).failed_at
-                    if waited > self.replace_timeout_s:
+                    if waited > self.replace_timeout_s and self._may_drop(worker_id):
+                        dropping.append(worker_id)
+                    elif waited > self.replace_timeout_s:
                         self.fail(f"no replacement for failed worker {worker_id} within {self.replace_timeout_s:.0f}s")
                         return
             reason = self.membership.silent()
@@ -722,6 +894,170 @@ class Job:
     def alive_count(self, role: str) -> int:
         with self._cond:
             return self.membership.alive_count(role)
+
+    # ------------------------------------------------------------------ fewer workers (cluster.min_workers)
+
+    def _plan_at(self, step: int) -> Plan:
+        """The plan of step ``step``: its workers' global batch and LR (S1.6), after a slot was dropped."""
+        workers = len(self.ledger.workers_at(step))
+        return self.plan if workers == self.plan.workers else replace(self.plan, workers=workers)
+
+    def _check_may_grow(self) -> None:
+        """NoFreeSlot unless a worker may take a dropped slot back now (the lock held)."""
+        if self.state != JobState.RUNNING or self._set_ps_workers is None or not self.membership.dropped_slots():
+            raise NoFreeSlot(f"all {self.plan.workers} worker slots of job {self.job_id} are taken")
+        if self.membership.vacant_slots():
+            raise NoFreeSlot("a failed worker's slot waits for its replacement")
+        if self.ledger.completed + GROW_AHEAD_STEPS >= self.plan.steps:
+            raise NoFreeSlot(f"job {self.job_id} ends before a worker could join it (step {self.ledger.completed})")
+
+    def _joined(self, worker_id: int) -> None:
+        """A worker took dropped slot ``worker_id`` back (the lock held): it contributes from ``GROW_AHEAD_STEPS``
+        steps on, a step no PS shard can have begun; the slot's data is its own again from where it stands."""
+        start = self.ledger.completed + GROW_AHEAD_STEPS
+        live = sorted(wid for wid, _ in self.membership.occupied_workers())
+        self._joining[worker_id] = start
+        self._holding = True  # until _grow has told every PS shard
+        self.ledger.set_workers(start, live)
+        self.data_shards.release(worker_id, start)
+        plan = self._plan_at(start)
+        self._journal(
+            "workers_changed",
+            from_step=start,
+            ids=live,
+            worker=worker_id,  # the one back
+            joined=True,
+            global_batch=plan.global_batch,
+            scaled_lr=plan.scaled_lr,
+            data_shards_done=[],
+        )
+        log.warning(
+            "worker %d takes its dropped slot back: the job goes on with %d workers %s from step %d (global batch %d, "
+            "lr %g)",
+            worker_id,
+            len(live),
+            live,
+            start,
+            plan.global_batch,
+            plan.scaled_lr,
+        )
+
+    def _grow(self, worker_id: int) -> None:
+        """Tell every PS shard the workers from the returning worker's first step on (outside the lock);
+        ``_joined`` started holding the answers to step reports until they know."""
+        try:
+            with self._cond:
+                start = self._joining.get(worker_id)
+                if start is None or self.state != JobState.RUNNING:
+                    return
+                ids, addresses = list(self.ledger.workers_at(start)), self.membership.ps_addresses()
+                lr = self._plan_at(start).scaled_lr
+            assert self._set_ps_workers is not None
+            self._set_ps_workers(addresses, start, ids, lr)
+        except Exception as exc:  # noqa: BLE001 - a shard that did not take the change would wait forever
+            log.exception("telling the PS shards that worker %d is back failed", worker_id)
+            self.fail(f"could not take worker {worker_id} back at step {start}: {exc}")
+        finally:
+            with self._cond:
+                self._holding = False
+                self._cond.notify_all()
+
+    def _hold_reports(self) -> None:
+        """Answer a step report only once the PS shards know about a returning worker (bounded)."""
+        with self._cond:
+            if self._holding:
+                self._cond.wait_for(lambda: not self._holding, HOLD_REPORTS_S)
+
+    def _returned(self, worker_id: int, step: int, inconsistent: str) -> Directive:
+        """A worker that took a dropped slot back pulled ``step`` (the lock held): it must be its first step."""
+        start = self._joining.pop(worker_id)
+        if inconsistent or step != start:
+            self.fail(f"worker {worker_id} cannot join at step {start}: {inconsistent or f'it pulled version {step}'}")
+            return self._directive()
+        self.membership.worker(worker_id).last_seen = self._clock()
+        self._journal("worker_returned", worker=worker_id, step=step)
+        log.info("worker %d trains from step %d in its slot again", worker_id, step)
+        return self._directive()
+
+    def _may_drop(self, worker_id: int) -> bool:
+        """Whether failed ``worker_id``'s slot can be dropped (the lock held): ``min_workers`` workers stay."""
+        live = [wid for wid, _ in self.membership.occupied_workers()]
+        return self._set_ps_workers is not None and len(live) >= max(self.min_workers, 1)
+
+    def _drop(self, worker_id: int) -> None:
+        """Go on without failed ``worker_id`` from the step it did not report (``cluster.min_workers``).
+
+        Every PS shard is told the live workers and their LR from that step ``F`` on; a shard keeps the
+        failed worker's contribution to ``F`` if it arrived. If every piece kept it, ``F`` had the worker
+        (its report is stood in) and the change counts from ``F + 1``; otherwise from ``F`` and its samples
+        of ``F`` are trained again (the pieces it had pushed took them once already). The slot is positioned
+        there and a live worker adopts its data, so every data shard is still dispatched once.
+        """
+        with self._cond:
+            member = self.membership.worker(worker_id)
+            if self.state != JobState.RUNNING or not member.failed or member.dropped:
+                return
+            member.dropped = True  # no replacement is waited for from here on
+            first = self.ledger.first_unreported(worker_id)
+            live = sorted(wid for wid, _ in self.membership.occupied_workers())
+            lr = replace(self.plan, workers=len(live)).scaled_lr
+            addresses = self.membership.ps_addresses()
+        assert self._set_ps_workers is not None
+        try:
+            kept = self._set_ps_workers(addresses, first, live, lr)
+        except Exception as exc:  # noqa: BLE001 - any failure to tell a shard leaves the shards disagreeing
+            log.exception("telling the PS shards to go on without worker %d failed", worker_id)
+            self.fail(f"could not drop failed worker {worker_id}: {exc}")
+            return
+        every, some = all(k[0] for k in kept), any(k[1] for k in kept)
+        with self._cond:
+            if self.state != JobState.RUNNING:
+                return
+            start = first + 1 if every else first
+            if every:  # it pushed step F everywhere before it died: F had it
+                stand_in = self.ledger.stand_in_report(worker_id, first, self._samples_per_worker)
+                self._journal("report", False, report=asdict(stand_in))
+                self._after_record(self.ledger.add(stand_in))
+            elif some:
+                log.warning(
+                    "worker %d had pushed part of step %d before it died: those pieces keep its gradient, "
+                    "its samples of the step are trained again",
+                    worker_id,
+                    first,
+                )
+            adopter = min(live)
+            done = self.data_shards.adopt(worker_id, start, self._samples_per_worker, adopter, self._consumed(start))
+            record = self.ledger.set_workers(start, live)
+            plan = self._plan_at(start)
+            self._journal(
+                "workers_changed",
+                from_step=start,
+                ids=live,
+                worker=worker_id,  # the one dropped
+                adopter=adopter,
+                global_batch=plan.global_batch,
+                scaled_lr=plan.scaled_lr,
+                data_shards_done=done,
+            )
+            self._journal_members()
+            self._after_record(record)
+            log.warning(
+                "no replacement for worker %d within %.0fs: the job goes on with %d workers %s from step %d "
+                "(global batch %d, lr %g; worker %d adopts its data; cluster.min_workers %d)",
+                worker_id,
+                self.replace_timeout_s,
+                len(live),
+                live,
+                start,
+                plan.global_batch,
+                plan.scaled_lr,
+                adopter,
+                self.min_workers,
+            )
+            self._cond.notify_all()
+            completed = self.ledger.completed
+        if self._checkpoints is not None and record is not None:
+            self._commit(completed)
 
     def _roll_back(self, reason: str) -> None:
         """A member restarted mid-job: fail the job retryably, so every member exits 1 and the
@@ -774,9 +1110,9 @@ class Job:
                 step=step,
                 steps=self.plan.steps,
                 per_device_batch=self.plan.per_device_batch,
-                global_batch=self.plan.global_batch,
+                global_batch=self._plan_at(step).global_batch,
                 lr=self.plan.lr_at(min(step, self.plan.steps - 1)),
-                global_lr=self.plan.scaled_lr,
+                global_lr=self._plan_at(step).scaled_lr,
                 members=self.membership.views(),
                 data_shards=counts,
                 message=self.message,

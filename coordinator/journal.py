@@ -17,6 +17,12 @@ since, so the job continues where it was instead of rolling back to the checkpoi
 (registrations, failures, step records) are fsynced; the frequent events (data shards, step
 reports) are written and flushed, not fsynced: they survive the coordinator's process dying, and
 a host crash that loses them ends in the rollback, as a journal that cannot be used does.
+
+The PS shards' checkpoint confirmations (``checkpoint_confirmed``, and the snapshot's ``confirmations``:
+those of steps not committed yet) are kept too: a shard confirms a step once, so a coordinator that died
+between the last confirmation and the commit would otherwise never commit that step (at the final step:
+no final manifest). They are flushed, not fsynced: a lost one can only leave a step uncommitted (the next
+checkpoint commits, a final one is retrained from the previous), never commit a wrong one.
 """
 
 from __future__ import annotations
@@ -33,7 +39,13 @@ from pstrain.runtime.atomic_io import atomic_write
 
 JOURNAL_NAME = "journal.jsonl"
 
-TRACKER_EVENTS = ("data_shard_dispatched", "data_shard_completed", "worker_failed", "worker_rejoined")
+TRACKER_EVENTS = (
+    "data_shard_dispatched",
+    "data_shard_completed",
+    "worker_failed",
+    "worker_rejoined",
+    "workers_changed",  # cluster.min_workers: a slot dropped (its data adopted) and the step ledger's workers
+)
 """Events that changed the data-shard tracker, replayed in order on top of the snapshot's state."""
 
 
@@ -122,6 +134,8 @@ class Recovery:
     tracker: dict[str, Any] | None  # the snapshot's tracker state; None: a tracker positioned at start_step
     tracker_ops: list[dict[str, Any]] = field(default_factory=list)  # TRACKER_EVENTS after it, in order
     reports: list[dict[str, Any]] = field(default_factory=list)  # step reports of steps not recorded, in order
+    worker_sets: list[list[Any]] = field(default_factory=list)  # the snapshot's [from step, worker ids] changes
+    confirmations: list[tuple[int, int]] = field(default_factory=list)  # (shard, step) confirmed, not committed
 
 
 def recovery(path: Path) -> Recovery:
@@ -139,6 +153,8 @@ def recovery(path: Path) -> Recovery:
     tracker: dict[str, Any] | None = None
     ops: list[dict[str, Any]] = []
     reports: list[dict[str, Any]] = []
+    worker_sets: list[list[Any]] = []
+    confirmations: list[tuple[int, int]] = []
     completed = replacements = 0
     for event in events:
         kind = event["event"]
@@ -151,6 +167,8 @@ def recovery(path: Path) -> Recovery:
             members, tracker = event["members"], event["tracker"]
             incarnations = {(role, member_id): n for role, member_id, n in event["incarnations"]}
             reports, ops, replacements = list(event["reports"]), [], event["replacements"]
+            worker_sets = list(event.get("worker_sets", []))
+            confirmations = [(shard, step) for shard, step in event.get("confirmations", [])]
         elif kind == "members":
             members = event["members"]
         elif kind == "credential":
@@ -161,6 +179,10 @@ def recovery(path: Path) -> Recovery:
             reports.append(event["report"])
         elif kind == "worker_registered" and event.get("replacement"):
             replacements += 1
+        elif kind == "checkpoint_confirmed":
+            confirmations.append((event["shard"], event["step"]))
+        elif kind == "checkpoint_committed":
+            confirmations = [(shard, step) for shard, step in confirmations if step > event["step"]]
         if kind in TRACKER_EVENTS:
             ops.append(event)
     if job is None:
@@ -178,4 +200,6 @@ def recovery(path: Path) -> Recovery:
         tracker=tracker,
         tracker_ops=ops,
         reports=[r for r in reports if r["step"] >= completed],
+        worker_sets=worker_sets,
+        confirmations=confirmations,
     )

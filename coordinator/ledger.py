@@ -8,6 +8,9 @@ report of a pending step replaces the first. With ``lookahead`` n, a worker that
 step up to one may report up to n steps past the next one (a worker that overlaps its pull with
 the next step reports step t + 1 before a slower peer's report of t arrives); they wait, pending.
 
+The workers a step waits for are all of them until ``set_workers(from_step, ids)`` changes the set
+(``cluster.min_workers``: a failed worker dropped, issue 11); each record says how many workers it had.
+
 A step that some worker reported ``nonfinite`` (it saw a NaN/Inf loss or gradient and asked the
 PS to skip the step, ``fault.on_nonfinite: skip``) is recorded as skipped: its loss is NaN in the
 record and ``null`` in metrics.jsonl (NaN is not JSON), ``"skipped": true``. Under ``stop`` such a
@@ -24,9 +27,9 @@ import json
 import math
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from pstrain.coordinator.errors import WrongState
 from pstrain.runtime.atomic_io import atomic_write
@@ -58,6 +61,7 @@ class StepRecord:
     samples_per_s: float
     step_s: float
     skipped: bool = False  # a worker saw a non-finite loss or gradient: no update; ``loss`` is NaN
+    workers: int = field(default=0, compare=False)  # the step's workers (cluster.min_workers); 0: not recorded
 
     def to_json(self) -> str:
         """The metrics.jsonl line: strict JSON, so a NaN loss (a skipped step) is written as null."""
@@ -97,6 +101,7 @@ class StepLedger:
         lookahead: int = 0,
     ) -> None:
         self.workers = workers
+        self._sets: list[tuple[int, tuple[int, ...]]] = [(0, tuple(range(workers)))]  # (from step, worker ids)
         self.lookahead = lookahead
         self._lr_at = lr_at
         self._clock = clock
@@ -150,11 +155,45 @@ class StepLedger:
         ahead = report.step > completed + self.lookahead or report.step > self.first_unreported(report.worker_id)
         if report.step > completed and ahead:
             raise WrongState(f"worker {report.worker_id} reported step {report.step} before step {completed} completed")
+        if report.worker_id not in self.workers_at(report.step):
+            raise WrongState(f"worker {report.worker_id} is not among step {report.step}'s workers")
         self._reports.setdefault(report.step, {})[report.worker_id] = report
+        return self._complete_ready()
+
+    def _complete_ready(self) -> StepRecord | None:
         record = None
-        while len(self._reports.get(self.completed, {})) >= self.workers:
+        while set(self.workers_at(self.completed)) <= self._reports.get(self.completed, {}).keys():
             record = self._complete(self.completed)
         return record
+
+    def workers_at(self, step: int) -> tuple[int, ...]:
+        """The workers step ``step`` waits for."""
+        return next(ids for start, ids in reversed(self._sets) if start <= step)
+
+    def set_workers(self, from_step: int, ids: list[int] | tuple[int, ...]) -> StepRecord | None:
+        """From ``from_step`` on, steps wait for ``ids`` only; a pending step they all reported completes now
+        (returns its record). Reports of dropped workers for those steps are discarded."""
+        if from_step < self.completed:
+            raise WrongState(f"step {from_step} is recorded already; the workers change from step {self.completed}")
+        wanted = self.note_workers(from_step, ids)
+        for step, reports in self._reports.items():
+            if step >= from_step:
+                for worker_id in [w for w in reports if w not in wanted]:
+                    del reports[worker_id]
+        return self._complete_ready()
+
+    def note_workers(self, from_step: int, ids: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        """Record the change only (a journal replayed: the reports come after it)."""
+        wanted = tuple(sorted(set(ids)))
+        self._sets = [(start, old) for start, old in self._sets if start < from_step] + [(from_step, wanted)]
+        return wanted
+
+    def worker_sets(self) -> list[list[Any]]:
+        """The changes of the worker set as plain JSON (the journal's snapshot)."""
+        return [[start, list(ids)] for start, ids in self._sets]
+
+    def restore_worker_sets(self, sets: list[list[Any]]) -> None:
+        self._sets = [(int(start), tuple(int(i) for i in ids)) for start, ids in sets]
 
     def first_unreported(self, worker_id: int) -> int:
         """The first step ``worker_id`` has not reported (the held step, or the one after if it reported it)."""
@@ -165,7 +204,7 @@ class StepLedger:
 
     def missing(self, step: int) -> list[int]:
         """The workers whose report of ``step`` (not recorded yet) has not arrived."""
-        return [w for w in range(self.workers) if w not in self._reports.get(step, {})]
+        return [w for w in self.workers_at(step) if w not in self._reports.get(step, {})]
 
     def pending_reports(self) -> list[StepReport]:
         """Reports of steps not recorded yet, by step (the journal's snapshot: a restarted coordinator keeps them)."""
@@ -200,6 +239,7 @@ class StepLedger:
             samples_per_s=samples / step_s if step_s > 0 else 0.0,
             step_s=step_s,
             skipped=skipped,
+            workers=len(self.workers_at(step)),
         )
         self._records.append(record)
         if self._metrics is not None:

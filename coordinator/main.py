@@ -33,13 +33,13 @@ from pstrain.coordinator.metrics import register_job_metrics
 from pstrain.coordinator.plan import job_spec
 from pstrain.coordinator.planning import describe, plan_job, probe_setup
 from pstrain.coordinator.preflight import preflight
-from pstrain.coordinator.service import CoordinatorServicer, address_answers
+from pstrain.coordinator.service import CoordinatorServicer, address_answers, ps_worker_setter
 from pstrain.coordinator.table_export import attach_table_export
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.identity import IdentityHolder, MemberKeys, MemberRegistry
 from pstrain.runtime.lifecycle import add_common_flags, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED, metrics_address_of
+from pstrain.runtime.member import EXIT_JOB_FAILED, freeze_startup_objects, metrics_address_of
 from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.ps_api import RetryPolicy, with_retries
 from pstrain.runtime.ps_client import PsClient
@@ -187,8 +187,11 @@ def _build_job(
         ledger = CheckpointLedger(directory, template, cfg.checkpoint.keep)
     tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed, slots=plan.workers)
     start_step = resume.step if resume is not None else 0
-    if start_step and taken_back is None:  # a job taken back positions its tracker from the journal
+    if resume is not None and resume.tracker is not None:  # slots were dropped or taken back before it
+        tracker.restore(resume.tracker)
+    elif start_step and taken_back is None:  # a job taken back positions its tracker from the journal
         tracker.resume(start_step, plan.per_device_batch * plan.devices_per_worker)
+    if start_step and taken_back is None:
         log.info("resuming from the committed checkpoint of step %d in %s", start_step, directory)
 
     def export(addresses: list[str], version: int) -> torch.Tensor:
@@ -216,11 +219,15 @@ def _build_job(
         checkpoints=ledger,
         replace_timeout_s=cfg.fault.replace_timeout_s or None,
         reachable=address_answers(security),
+        min_workers=cfg.cluster.least_workers,
+        set_ps_workers=ps_worker_setter(security),
         recovery=taken_back,
+        resume_workers=resume.worker_ids if resume is not None else None,
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
+    """Serve the job until it is over or a signal stops it; ``freeze_gc``: this is the process's own entry point."""
     try:
         identity = IdentityHolder()
         security = security_from_args(args).with_identity(identity)
@@ -251,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     if args.port_file:
         write_port_file(args.port_file, server.port)
     sd_notify("READY=1")
+    if freeze_gc:
+        freeze_startup_objects()  # the job, the model, gRPC: left out of the collector's full passes from now on
     try:
         while not stop.is_set() and not job.wait_over(cfg.transport.heartbeat_s):
             job.check_liveness()
@@ -277,4 +286,4 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("pstrain-coordinator", args.log_level)
-    return run(args)
+    return run(args, freeze_gc=True)

@@ -5,7 +5,9 @@ within the heartbeat timeout. A PS shard id is taken by one process at a time: a
 may take it only once the holder went silent (a shard restarted elsewhere); the same address may
 register again (a retried call). Worker ids are handed out in registration order until the
 plan's slots are full. A worker slot whose holder failed is ``vacate``-d (S2.5): the next worker
-to register takes it, as ``replacement``, with the failed worker's devices. Each heartbeat's RSS is
+to register takes it, as ``replacement``, with the failed worker's devices. A slot left vacant past
+the replacement timeout may be ``dropped`` (``cluster.min_workers``): it waits for nobody, and a
+worker that registers later may take it back (``take_dropped``). Each heartbeat's RSS is
 kept as a sample in the member's ``MemoryHistory``; ``ps_memory`` forecasts the PS shards' memory
 from them (S2.4).
 
@@ -48,6 +50,7 @@ class Member:
     failed: bool = False  # a worker declared failed; its slot waits for a replacement (S2.5)
     failed_at: float = 0.0
     replacement: bool = False  # this worker took the slot of a failed one
+    dropped: bool = False  # failed and not replaced in time: the job goes on without the slot (cluster.min_workers)
     memory: MemoryHistory = field(default_factory=MemoryHistory)  # RSS from heartbeats; a re-registration starts anew
 
 
@@ -104,17 +107,19 @@ class Membership:
         member.ready = True
         member.last_seen = self._clock()
 
-    def register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str = "") -> Member:
+    def register_worker(
+        self, address: str, devices: list[str], hostname: str, metrics_address: str = "", take_dropped: bool = False
+    ) -> Member:
         if devices and len(devices) != self.devices_per_worker:
             raise InvalidRequest(
                 f"worker offers {len(devices)} devices but the plan needs {self.devices_per_worker} "
                 f"per worker (cluster.devices_per_worker)"
             )
-        vacant = self.vacant_slots()
+        vacant = self.vacant_slots() or (self.dropped_slots() if take_dropped else [])
         if len(self._workers) >= self.workers and not vacant:
             raise NoFreeSlot(f"all {self.workers} worker slots of job {self.job_id} are taken")
         replacing = len(self._workers) >= self.workers
-        worker_id = vacant[0] if replacing else len(self._workers)
+        worker_id = vacant[0] if replacing else min(set(range(self.workers)) - self._workers.keys())
         if replacing and not devices:
             devices = self._workers[worker_id].devices  # configured like the failed worker
         member = Member(
@@ -141,9 +146,19 @@ class Membership:
             member.failed_at = self._clock()
         return member
 
+    def drop_slot(self, worker_id: int) -> None:
+        """A job resumed from a checkpoint that went on without slot ``worker_id``: it stays dropped (nobody
+        registers for it; a worker that comes once every other slot is held takes it back, ``take_dropped``)."""
+        member = Member("worker", worker_id, "", self._clock(), failed=True, failed_at=self._clock(), dropped=True)
+        self._workers[worker_id] = member
+
     def vacant_slots(self) -> list[int]:
         """Worker slots whose holder failed and that no replacement took yet, lowest first."""
-        return sorted(i for i, m in self._workers.items() if m.failed)
+        return sorted(i for i, m in self._workers.items() if m.failed and not m.dropped)
+
+    def dropped_slots(self) -> list[int]:
+        """Worker slots the job went on without (cluster.min_workers); a later worker may take one back."""
+        return sorted(i for i, m in self._workers.items() if m.dropped)
 
     def silent_workers(self) -> list[int]:
         """Workers with work left, not yet declared failed, silent past the heartbeat timeout."""
@@ -255,6 +270,7 @@ class Membership:
         "devices",
         "failed",
         "replacement",
+        "dropped",
     )
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -267,7 +283,7 @@ class Membership:
         now = self._clock()
         self._ps, self._workers = {}, {}
         for fields in members:
-            member = Member(**{k: fields[k] for k in self._KEPT}, last_seen=now)
+            member = Member(**{k: fields[k] for k in self._KEPT if k in fields}, last_seen=now)
             member.failed_at = now
             (self._ps if member.role == "ps" else self._workers)[member.id] = member
 

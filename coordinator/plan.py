@@ -136,8 +136,11 @@ def job_spec(
         bucket_bytes=cfg.transport.bucket_bytes,
         push_dtype=pb.BFLOAT16 if cfg.transport.push_dtype == "bfloat16" else pb.FLOAT32,
         shared_memory_off=cfg.transport.shared_memory == "off",
+        bulk_sockets_off=cfg.transport.bulk_sockets == "off",  # issue 12
         push_timeout_s=cfg.transport.push_timeout_s,
         pull_timeout_s=cfg.transport.pull_timeout_s,
+        max_waiting_pulls=cfg.transport.max_waiting_pulls,  # issue 8
+        max_waiting_pulls_per_peer=cfg.transport.max_waiting_pulls_per_peer,
         heartbeat_s=cfg.transport.heartbeat_s,
         devices=cfg.cluster.device_list,
         layer_policies=layer_policies or {},

@@ -10,13 +10,15 @@ without one (tests of the job over gRPC) calls are not bound to identities.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
 
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
 from pstrain.coordinator.initial_tables import initial_row_blocks
-from pstrain.coordinator.job import Directive, Job, JobStatusView
+from pstrain.coordinator.job import Directive, Job, JobStatusView, SetPsWorkers
 from pstrain.coordinator.ledger import Progress, StepReport
 from pstrain.coordinator.probe import ProbeReport
 from pstrain.coordinator.report_checks import check_step_report
@@ -24,7 +26,7 @@ from pstrain.planner.memory_estimate import Probe
 from pstrain.planner.profile_wire import profile_from_pb
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks, wire_dtype
+from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks, encode_named_tensors, wire_dtype
 from pstrain.runtime.admission import Overloaded, checked_tensor_stream
 from pstrain.runtime.identity import MemberRegistry, NotIssued, PermissionDenied
 from pstrain.runtime.security import TransportSecurity
@@ -63,6 +65,27 @@ def address_answers(security: TransportSecurity) -> Callable[[str], bool]:
             channel.close()
 
     return answers
+
+
+SET_WORKERS_TIMEOUT_S = 30.0
+
+
+def ps_worker_setter(security: TransportSecurity) -> SetPsWorkers:
+    """``Job``'s ``set_ps_workers`` (cluster.min_workers): SetWorkers on every PS shard, in shard order."""
+
+    def set_workers(addresses: list[str], from_step: int, ids: list[int], scaled_lr: float) -> list[tuple[bool, bool]]:
+        request = pb.SetWorkersRequest(from_version=from_step, worker_ids=ids, scaled_lr=scaled_lr)
+        kept = []
+        for address in addresses:
+            channel = open_channel(address, security)
+            try:
+                reply = pb_grpc.ParameterServerStub(channel).SetWorkers(request, timeout=SET_WORKERS_TIMEOUT_S)
+            finally:
+                channel.close()
+            kept.append((reply.included_all, reply.included_any))
+        return kept
+
+    return set_workers
 
 
 def _directive(d: Directive) -> pb.Directive:
@@ -131,10 +154,49 @@ def _job_status(s: JobStatusView) -> pb.JobStatus:
     )
 
 
+def _chunk_of(part: pb.SlotBuffersPart) -> pb.TensorChunk:
+    if part.WhichOneof("kind") != "chunk":
+        raise InvalidRequest("UploadSlotBuffers: only the first message is a header")
+    return part.chunk
+
+
+STATUS_FRESH_S = 0.2
+
+
+class StatusCache:
+    """GetJobStatus answers from one build for up to ``fresh_s`` while the job's state and step stay the same.
+
+    Why (issue 8): a status poller at 1,000 calls/s would otherwise take the job's lock and build the whole view
+    1,000 times a second, and the workers' step reports wait on that lock. A change of state or step, or a call
+    after ``fresh_s`` of quiet, builds afresh; the rest (a member's ``last_seen_s_ago``) may be ``fresh_s`` old.
+    """
+
+    def __init__(self, job: Job, fresh_s: float = STATUS_FRESH_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._job = job
+        self._fresh_s = fresh_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cached: tuple[tuple[object, ...], float, pb.JobStatus] | None = None
+
+    def get(self) -> pb.JobStatus:
+        job = self._job
+        key = (job.state, job.message, job.ledger.completed)  # read without the job's lock: a torn read rebuilds
+        now = self._clock()
+        with self._lock:
+            cached = self._cached
+        if cached is not None and cached[0] == key and now - cached[1] < self._fresh_s:
+            return cached[2]
+        status = _job_status(job.status())
+        with self._lock:
+            self._cached = (key, now, status)
+        return status
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, job: Job, registry: MemberRegistry | None = None) -> None:
         self.job = job
         self.registry = registry
+        self.status = StatusCache(job)
 
     def _require(self, context: grpc.ServicerContext, role: str, member_id: int) -> None:
         """The call carries the current credential of ``role`` ``member_id`` (issue 8)."""
@@ -261,6 +323,34 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.Empty()
 
     @translate
+    def UploadSlotBuffers(
+        self, request_iterator: Iterator[pb.SlotBuffersPart], context: grpc.ServicerContext
+    ) -> pb.Empty:
+        """Issue 11: a worker slot's buffers at a checkpoint step; checked against the model before allocation."""
+        header = next(request_iterator, None)
+        if header is None or header.WhichOneof("kind") != "header":
+            raise InvalidRequest("UploadSlotBuffers: the first message must be the header")
+        self._require(context, "worker", header.header.worker_id)
+        if not self.job.buffers_wanted(header.header.worker_id, header.header.step):  # before any payload is read
+            return pb.Empty()  # committed already: the payload is not needed
+        chunks = (_chunk_of(part) for part in request_iterator)
+        buffers = decode_named_tensors(checked_tensor_stream(chunks, self.job.buffers.expected()))
+        self.job.checkpoint_buffers(header.header.worker_id, header.header.step, buffers)
+        return pb.Empty()
+
+    @translate
+    def FetchSlotBuffers(
+        self, request: pb.SlotBuffersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.SlotBuffersPart]:
+        """Issue 11: the slot's newest buffers at or before ``step``; a header of step -1 when there are none."""
+        self._require(context, "worker", request.worker_id)
+        found = self.job.slot_buffers(request.worker_id, request.step)
+        step, buffers = found if found is not None else (-1, {})
+        yield pb.SlotBuffersPart(header=pb.SlotBuffersHeader(worker_id=request.worker_id, step=step))
+        for chunk in encode_named_tensors(buffers, self.job.spec.chunk_bytes):
+            yield pb.SlotBuffersPart(chunk=chunk)
+
+    @translate
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.Directive:
         if request.role in ("ps", "worker"):  # another role is the job's to refuse (INVALID_ARGUMENT)
             self._require(context, request.role, request.id)
@@ -275,4 +365,4 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @translate
     def GetJobStatus(self, request: pb.JobStatusRequest, context: grpc.ServicerContext) -> pb.JobStatus:
-        return _job_status(self.job.status())
+        return self.status.get()

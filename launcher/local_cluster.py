@@ -9,6 +9,9 @@ A coordinator killed by a signal is restarted alone on its address (``--recover 
 the job back from its journal while the PS shards and workers ride out the outage, and the
 progress stream reconnects from the next step. A whole-cluster (re)start passes ``--recover
 never``: its members are new processes, so the job resumes from the last committed checkpoint.
+With ``cluster.min_workers`` below ``cluster.workers``, a worker that used up ``fault.max_restarts``
+(or any, with 0) is left dead instead, as long as that many workers remain: the coordinator goes on
+without it after ``fault.replace_timeout_s`` (issue 11). A whole-cluster restart starts it again.
 Children live in their own session (the terminal's Ctrl-C
 reaches only the launcher, which drains them in order) and get SIGKILL if the launcher
 itself is killed (PR_SET_PDEATHSIG), so no process outlives it.
@@ -93,6 +96,7 @@ class Supervision:
 
     cluster: tuple[str, int] | None
     alone: tuple[tuple[str, int], ...] = ()
+    left: tuple[tuple[str, int], ...] = ()  # workers left dead: the coordinator drops their slots (min_workers)
 
 
 def supervise(
@@ -101,6 +105,7 @@ def supervise(
     max_restarts: int,
     worker_restarts: dict[str, int],
     coordinator_restarts: int,
+    spare_workers: int = 0,
 ) -> Supervision:
     """The restart decision for the children seen dead together (name, exit code), without side effects.
 
@@ -110,20 +115,24 @@ def supervise(
     starts everyone anew. Deaths seen together are often one fault and its echoes (a PS shard killed,
     and a member that lost it and exited); the restart is decided by a death a restart can mend,
     so an echo that exited 2 or 3 does not end a job a cluster restart would save.
+
+    A worker that may not be restarted alone any more (``max_restarts`` used up, or 0) is ``left`` dead
+    while ``spare_workers`` (``cluster.workers`` - ``cluster.min_workers`` - those left dead already) allows:
+    the coordinator drops its slot after ``fault.replace_timeout_s`` and the job goes on with fewer workers.
     """
     alone: list[tuple[str, int]] = []
+    left: list[tuple[str, int]] = []
     others: list[tuple[str, int]] = []
     for name, code in dead:
         coordinator_alone = name == "coordinator" and code < 0 and coordinator_restarts < max_restarts
-        worker_alone = (
-            name.startswith("worker")
-            and replaces_workers
-            and code not in RestartPolicy.NOT_RETRIED
-            and worker_restarts.get(name, 0) < max_restarts
-        )
+        mendable_worker = name.startswith("worker") and replaces_workers and code not in RestartPolicy.NOT_RETRIED
+        worker_alone = mendable_worker and worker_restarts.get(name, 0) < max_restarts
+        if mendable_worker and not worker_alone and len(left) < spare_workers:
+            left.append((name, code))
+            continue
         (alone if coordinator_alone or worker_alone else others).append((name, code))
     if not others:
-        return Supervision(None, tuple(alone))
+        return Supervision(None, tuple(alone), tuple(left))
     mendable = [death for death in others if death[1] not in RestartPolicy.NOT_RETRIED]
     return Supervision((mendable or others)[0])
 
@@ -167,6 +176,7 @@ class LocalCluster:
     coordinator_address: str = ""
     worker_restarts: dict[str, int] = field(default_factory=dict)  # per worker process, over the whole run
     coordinator_restarts: int = 0  # the coordinator restarted alone (taking the job back from its journal)
+    left_dead: list[str] = field(default_factory=list)  # workers left dead since the last (re)start (min_workers)
     _member_args: list[str] = field(default_factory=list)
     _coordinator_args: list[str] = field(default_factory=list)
 
@@ -202,6 +212,7 @@ class LocalCluster:
         time to the first step, and the time a restart after a crash takes.
         """
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.left_dead = []  # every worker is started again
         port_file = self.out_dir / "coordinator.port"
         port_file.unlink(missing_ok=True)
         self.coordinator_address = f"127.0.0.1:{free_port()}"
@@ -252,11 +263,26 @@ class LocalCluster:
             self.cfg.fault.max_restarts,
             self.worker_restarts,
             self.coordinator_restarts,
+            self.cfg.cluster.workers - self.cfg.cluster.least_workers - len(self.left_dead),
         )
         by_name = {proc.name: proc for proc in self.processes}
         if decision.cluster is not None:
             name, code = decision.cluster
             raise ProcessDied(name, code, by_name[name].tail())
+        for name, code in decision.left:
+            proc = by_name[name]
+            self.left_dead.append(name)
+            print(
+                f"pstrain local: {name} exited with code {code} and is not restarted (restarts used: "
+                f"{self.worker_restarts.get(name, 0)} of {self.cfg.fault.max_restarts}); the job goes on with "
+                f"{self.cfg.cluster.workers - len(self.left_dead)} workers once the coordinator drops its slot "
+                f"(after fault.replace_timeout_s {self.cfg.fault.replace_timeout_s:g}s; cluster.min_workers "
+                f"{self.cfg.cluster.least_workers})",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.processes.remove(proc)
+            proc.log_file.close()
         for name, code in decision.alone:
             proc = by_name[name]
             if name == "coordinator":

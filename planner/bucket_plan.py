@@ -134,7 +134,7 @@ def uniform_groups(layers: Sequence[Layer], bucket_bytes: int) -> list[int]:
     groups: list[int] = []
     count = held = 0
     for layer in reversed(layers):
-        if layer.param_bytes >= bucket_bytes and held:
+        if layer.param_bytes > bucket_bytes and held:  # bigger than the target: a bucket alone
             groups.append(count)
             count = held = 0
         count += 1

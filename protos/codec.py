@@ -20,9 +20,17 @@ one process, protobuf 7.36 upb, grpcio 1.85; ``bench/pushpull.py --copies`` reco
               plus 1 per version: ``EncodedReplies`` (published tensor -> message bytes), made
               by the version's first pull and shared by every pull of it
 
+(gdb counts 6.0 for a push: one more, inside gRPC, not attributed; ``bench/results/pushpull.md``.)
 Ours are one out of the tensor and one into the destination; the three in between are gRPC's
 and no serializer can avoid them (gRPC Python copies a message into a slice to send it, and
 hands a deserializer one joined ``bytes``). Before this codec each direction made 14.
+
+Those three bound a gRPC stream near 0.4x raw TCP (push+pull of 100 MB on loopback, measured
+with bare ``bytes`` messages and no protobuf at all), so by default a remote worker's payloads
+do not travel in these messages: they go on bulk sockets (``ps_server.bulk``,
+``runtime.bulk_client``), raw bytes beside the gRPC call that carries the same header, with no
+user-space copy. These messages carry them over TLS channels, to shards that refuse bulk
+sockets, and for grpcurl and generated stubs.
 
 Streams of bare TensorChunks (FetchInitialParameters, UploadBuffers) still use protobuf
 messages (``encode_chunks``): setup-time traffic, not per step; ``TensorAssembler`` reads their

@@ -108,7 +108,7 @@ class ParamSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite", "coordinator_timeout_s", "bucket_bytes", "push_dtype", "shared_memory_off", "offload_params", "embeddings", "profile_blocks", "profile_batches", "memory_profile")
+    __slots__ = ("job_id", "model_factory", "model_kwargs_json", "data_factory", "data_kwargs_json", "loss", "optimizer", "lr_schedule", "per_device_batch", "global_batch", "total_devices", "workers", "devices_per_worker", "steps", "seed", "ps_shards", "total_params", "params", "chunk_bytes", "push_timeout_s", "pull_timeout_s", "heartbeat_s", "devices", "layer_policies", "prefetch", "pinned_limit_bytes", "checkpoint_every_steps", "checkpoint_dir", "checkpoint_keep", "on_nonfinite", "coordinator_timeout_s", "bucket_bytes", "push_dtype", "shared_memory_off", "max_waiting_pulls", "max_waiting_pulls_per_peer", "bulk_sockets_off", "offload_params", "embeddings", "profile_blocks", "profile_batches", "memory_profile")
     class LayerPoliciesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,9 @@ class JobSpec(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_OFF_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_PULLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_PULLS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
+    BULK_SOCKETS_OFF_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_PARAMS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -189,19 +192,22 @@ class JobSpec(_message.Message):
     bucket_bytes: int
     push_dtype: DType
     shared_memory_off: bool
+    max_waiting_pulls: int
+    max_waiting_pulls_per_peer: int
+    bulk_sockets_off: bool
     offload_params: bool
     embeddings: _containers.RepeatedCompositeFieldContainer[EmbeddingTableSpec]
     profile_blocks: _containers.RepeatedScalarFieldContainer[str]
     profile_batches: _containers.RepeatedScalarFieldContainer[int]
     memory_profile: str
-    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ..., coordinator_timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., push_dtype: _Optional[_Union[DType, str]] = ..., shared_memory_off: _Optional[bool] = ..., offload_params: _Optional[bool] = ..., embeddings: _Optional[_Iterable[_Union[EmbeddingTableSpec, _Mapping]]] = ..., profile_blocks: _Optional[_Iterable[str]] = ..., profile_batches: _Optional[_Iterable[int]] = ..., memory_profile: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., model_factory: _Optional[str] = ..., model_kwargs_json: _Optional[str] = ..., data_factory: _Optional[str] = ..., data_kwargs_json: _Optional[str] = ..., loss: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., per_device_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., total_devices: _Optional[int] = ..., workers: _Optional[int] = ..., devices_per_worker: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., ps_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., push_timeout_s: _Optional[float] = ..., pull_timeout_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., layer_policies: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[int] = ..., pinned_limit_bytes: _Optional[int] = ..., checkpoint_every_steps: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., checkpoint_keep: _Optional[int] = ..., on_nonfinite: _Optional[str] = ..., coordinator_timeout_s: _Optional[float] = ..., bucket_bytes: _Optional[int] = ..., push_dtype: _Optional[_Union[DType, str]] = ..., shared_memory_off: _Optional[bool] = ..., max_waiting_pulls: _Optional[int] = ..., max_waiting_pulls_per_peer: _Optional[int] = ..., bulk_sockets_off: _Optional[bool] = ..., offload_params: _Optional[bool] = ..., embeddings: _Optional[_Iterable[_Union[EmbeddingTableSpec, _Mapping]]] = ..., profile_blocks: _Optional[_Iterable[str]] = ..., profile_batches: _Optional[_Iterable[int]] = ..., memory_profile: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip", "piece_start", "shm_nonce")
+    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip", "piece_start", "shm_nonce", "bulk_ticket")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +217,7 @@ class PushHeader(_message.Message):
     SKIP_FIELD_NUMBER: _ClassVar[int]
     PIECE_START_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     worker_id: int
     step: int
@@ -220,7 +227,8 @@ class PushHeader(_message.Message):
     skip: bool
     piece_start: int
     shm_nonce: bytes
-    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ..., piece_start: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    bulk_ticket: bytes
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ..., piece_start: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -243,18 +251,22 @@ class PushReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("shard_id", "min_version", "piece_start", "shm_worker", "shm_nonce")
+    __slots__ = ("shard_id", "min_version", "piece_start", "shm_worker", "shm_nonce", "bulk_ticket", "bulk_numel")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PIECE_START_FIELD_NUMBER: _ClassVar[int]
     SHM_WORKER_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
+    BULK_NUMEL_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     min_version: int
     piece_start: int
     shm_worker: int
     shm_nonce: bytes
-    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., piece_start: _Optional[int] = ..., shm_worker: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    bulk_ticket: bytes
+    bulk_numel: int
+    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., piece_start: _Optional[int] = ..., shm_worker: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ..., bulk_numel: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("version", "chunk")
@@ -267,6 +279,24 @@ class PullReply(_message.Message):
 class ShardStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SetWorkersRequest(_message.Message):
+    __slots__ = ("from_version", "worker_ids", "scaled_lr")
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCALED_LR_FIELD_NUMBER: _ClassVar[int]
+    from_version: int
+    worker_ids: _containers.RepeatedScalarFieldContainer[int]
+    scaled_lr: float
+    def __init__(self, from_version: _Optional[int] = ..., worker_ids: _Optional[_Iterable[int]] = ..., scaled_lr: _Optional[float] = ...) -> None: ...
+
+class SetWorkersReply(_message.Message):
+    __slots__ = ("included_all", "included_any")
+    INCLUDED_ALL_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_ANY_FIELD_NUMBER: _ClassVar[int]
+    included_all: bool
+    included_any: bool
+    def __init__(self, included_all: _Optional[bool] = ..., included_any: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard_id", "start", "end", "version", "pushes_waiting", "workers_expected", "bytes_held", "optimizer")
@@ -327,6 +357,22 @@ class ShmRegions(_message.Message):
     header_bytes: int
     nonce: bytes
     def __init__(self, push_path: _Optional[str] = ..., pull_path: _Optional[str] = ..., numel: _Optional[int] = ..., header_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class BulkRequest(_message.Message):
+    __slots__ = ("shard_id", "worker_id")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    worker_id: int
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ...) -> None: ...
+
+class BulkGrant(_message.Message):
+    __slots__ = ("port", "nonce")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    nonce: bytes
+    def __init__(self, port: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class RegisterPsRequest(_message.Message):
     __slots__ = ("shard_id", "address", "metrics_address")
@@ -649,6 +695,30 @@ class RejoinRequest(_message.Message):
     step: int
     inconsistent: str
     def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., inconsistent: _Optional[str] = ...) -> None: ...
+
+class SlotBuffersHeader(_message.Message):
+    __slots__ = ("worker_id", "step")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class SlotBuffersPart(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: SlotBuffersHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[SlotBuffersHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class SlotBuffersRequest(_message.Message):
+    __slots__ = ("worker_id", "step")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()

@@ -132,6 +132,16 @@ class ParameterServerStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
                 _registered_method=True)
+        self.SetWorkers = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/SetWorkers',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.SetWorkersRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SetWorkersReply.FromString,
+                _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/OpenBulk',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.BulkRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.BulkGrant.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -168,6 +178,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetWorkers(self, request, context):
+        """issue 11: cluster.min_workers, the coordinator only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenBulk(self, request, context):
+        """issue 12: remote workers move tensors over a raw TCP socket
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +219,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.CloseSharedMemory,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ShmRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
+            ),
+            'SetWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetWorkers,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SetWorkersRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.SetWorkersReply.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.BulkRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.BulkGrant.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -342,6 +376,60 @@ class ParameterServer:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SetWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/SetWorkers',
+            pstrain_dot_protos_dot_pstrain__pb2.SetWorkersRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.SetWorkersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/OpenBulk',
+            pstrain_dot_protos_dot_pstrain__pb2.BulkRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.BulkGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class CoordinatorStub:
     """Missing associated documentation comment in .proto file."""
@@ -431,6 +519,16 @@ class CoordinatorStub:
                 '/pstrain.v1.Coordinator/FetchInitialRows',
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.RowBlock.FromString,
+                _registered_method=True)
+        self.UploadSlotBuffers = channel.stream_unary(
+                '/pstrain.v1.Coordinator/UploadSlotBuffers',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+                _registered_method=True)
+        self.FetchSlotBuffers = channel.unary_stream(
+                '/pstrain.v1.Coordinator/FetchSlotBuffers',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.FromString,
                 _registered_method=True)
 
 
@@ -535,6 +633,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadSlotBuffers(self, request_iterator, context):
+        """issue 11: a slot's buffers at a checkpoint step
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchSlotBuffers(self, request, context):
+        """issue 11: back before training resumes
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -617,6 +729,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FetchInitialRows,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.RowBlock.SerializeToString,
+            ),
+            'UploadSlotBuffers': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadSlotBuffers,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Empty.SerializeToString,
+            ),
+            'FetchSlotBuffers': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSlotBuffers,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1051,6 +1173,60 @@ class Coordinator:
             '/pstrain.v1.Coordinator/FetchInitialRows',
             pstrain_dot_protos_dot_pstrain__pb2.InitialParametersRequest.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.RowBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadSlotBuffers(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pstrain.v1.Coordinator/UploadSlotBuffers',
+            pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSlotBuffers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pstrain.v1.Coordinator/FetchSlotBuffers',
+            pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.FromString,
             options,
             channel_credentials,
             insecure,

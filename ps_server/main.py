@@ -20,7 +20,8 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import TensorAssembler
-from pstrain.ps_server.admission import ShardGate
+from pstrain.ps_server.admission import ShardGate, pull_limits
+from pstrain.ps_server.bulk import BulkSockets
 from pstrain.ps_server.checkpoint import CheckpointError, CheckpointWriter, load_state
 from pstrain.ps_server.norm_service import GrpcPoster, LayerNormsServicer, add_layer_norms, layers_for
 from pstrain.ps_server.optimizer import update_threads
@@ -29,14 +30,13 @@ from pstrain.ps_server.service import ParameterServerServicer, add_parameter_ser
 from pstrain.ps_server.shard import CheckpointPolicy
 from pstrain.ps_server.sparse_checkpoint import CheckpointJoin, sparse_shard_for
 from pstrain.ps_server.sparse_service import SparseTablesServicer, add_sparse_tables
-from pstrain.runtime.admission import PullLimits
 from pstrain.runtime.buckets import shard_pieces
 from pstrain.runtime.identity import MemberKeys
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED, MemberProcess, add_member_flags
+from pstrain.runtime.member import EXIT_JOB_FAILED, EXIT_RESTART, MemberProcess, add_member_flags
 from pstrain.runtime.shard_map import ShardRange
-from pstrain.runtime.transport import CONTROL_TIMEOUT_S
+from pstrain.runtime.transport import CONTROL_TIMEOUT_S, host_of
 
 log = logging.getLogger(__name__)
 _PS_VIEW = pb.WaitForClusterRequest(worker_id=-1)  # issue 10: the PS addresses, for the norm exchange
@@ -45,8 +45,23 @@ _PS_VIEW = pb.WaitForClusterRequest(worker_id=-1)  # issue 10: the PS addresses,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pstrain-ps", description="Run one pstrain parameter-server shard.")
     p.add_argument("--shard-id", type=int, required=True, help="which shard of the job this process serves")
+    p.add_argument(
+        "--bulk-port",
+        type=_port,
+        default=0,
+        help="TCP port of this shard's bulk sockets, on the --bind host: remote workers' tensors as raw bytes "
+        "(issue 12); default 0, an ephemeral port; give a fixed one to open it in a firewall",
+    )
+    p.add_argument("--no-bulk", action="store_true", help="no bulk port: every worker streams its tensors inside gRPC")
     add_member_flags(p)
     return p.parse_args(argv)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is in [0, 65535], got {port}")
+    return port
 
 
 def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> torch.Tensor:
@@ -54,6 +69,25 @@ def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> t
     for chunk in stub.FetchInitialParameters(pb.InitialParametersRequest(shard_id=shard_id), timeout=300):
         assembler.add(chunk)
     return assembler.result()
+
+
+def open_bulk_port(bulk: BulkSockets, tls: bool, shard_id: int) -> bool:
+    """Issue 12: listen on the bulk port now, so a fixed port that is taken fails the start (False). A shard that
+    serves TLS opens none: its bytes would be plaintext (``OpenBulk`` refuses TLS channels), so every worker streams.
+    """
+    if not bulk.enabled:
+        return True
+    if tls:
+        bulk.close()
+        log.info("shard %d serves TLS: no bulk port, every worker streams its tensors inside gRPC", shard_id)
+        return True
+    try:
+        port = bulk.listen()
+    except OSError as exc:
+        log.error("shard %d cannot listen on its bulk port %d (--bulk-port): %s", shard_id, bulk.port, exc)
+        return False
+    log.info("shard %d bulk sockets on port %d", shard_id, port)
+    return True
 
 
 def serve_shard(
@@ -65,14 +99,17 @@ def serve_shard(
 ) -> int:
     """Join as shard ``shard_id``, serve it until the job ends or SIGTERM."""
     log.info("shard %d listening on %s", shard_id, member.served.address)
+    if not open_bulk_port(servicer.bulk, member.served.security.tls, shard_id):  # issue 12: before joining
+        return EXIT_RESTART
     stub = member.coordinator
     request = pb.RegisterPsRequest(
         shard_id=shard_id, address=member.served.address, metrics_address=member.served.metrics_address
     )
     reply = member.join(lambda: stub.RegisterParameterServer(request, timeout=CONTROL_TIMEOUT_S))
     job = reply.job
+    limits = pull_limits(job)  # issue 8: the job file's transport.max_waiting_pulls[_per_peer], pull_timeout_s
+    servicer.gate = ShardGate(pulls=limits)
     if reply.job_key:  # issue 8: pushes only with the pushing worker's credential, pulls within limits
-        limits = PullLimits(max_wait_s=job.pull_timeout_s) if job.pull_timeout_s > 0 else None
         servicer.gate = ShardGate(MemberKeys(reply.job_key), job.devices_per_worker or None, limits)
         if sparse is not None:
             sparse.gate = servicer.gate  # row pushes and pulls are bound like dense ones
@@ -131,6 +168,11 @@ def serve_shard(
         )
     member.closing(shard.close)  # wakes pulls blocked on a version before the server drains
     servicer.shared_memory = not job.shared_memory_off  # issue 12
+    if job.push_timeout_s > 0:  # issue 12: a bulk push's payload moves within the job's push timeout
+        servicer.push_timeout_s = job.push_timeout_s
+    if job.bulk_sockets_off and servicer.bulk.enabled:  # issue 12: transport.bulk_sockets: off, every worker streams
+        servicer.bulk.close()
+        log.info("shard %d: transport.bulk_sockets is off; its bulk port is closed", shard_id)
     servicer.attach(shard, job.chunk_bytes)
     member.closing(servicer.close_shared_memory)  # issue 12: unlink every worker's /dev/shm regions
     if sparse is not None:  # issue 9: this shard's rows of the sparse embedding tables
@@ -156,6 +198,7 @@ def serve_shard(
 
 def run(args: argparse.Namespace) -> int:
     servicer = ParameterServerServicer()
+    servicer.bulk = BulkSockets(enabled=not args.no_bulk, host=host_of(args.bind), port=args.bulk_port)  # issue 12
     sparse = SparseTablesServicer()
     norms = LayerNormsServicer()  # issue 10
     member = MemberProcess(
@@ -175,5 +218,6 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(f"pstrain-ps-{args.shard_id}", args.log_level)
+    MemberProcess.freeze_gc_when_ready = True  # its own process: ready() freezes the start-up objects
     torch.set_num_threads(update_threads())  # the update is memory-bound; a host also runs a worker
     return run(args)

@@ -24,6 +24,7 @@ The whole shard, as the checkpoints, the export and whole-shard pushes/pulls see
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,8 @@ from pstrain.ps_server.layerwise import Layers
 from pstrain.ps_server.shard import PUSH_DTYPES, CheckpointPolicy, ParameterShard, PushResult, ShardSnapshot
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.shard_map import ShardRange
+
+log = logging.getLogger(__name__)
 
 
 class PiecedShard:
@@ -288,6 +291,15 @@ class PiecedShard:
         worker count at a step boundary, issue 11) reaches the pieces."""
         for p in self.pieces:
             call(p)
+
+    def set_workers(self, from_version: int, ids: Sequence[int], scaled_lr: float) -> tuple[bool, bool]:
+        """``ParameterShard.set_workers`` on every piece (``cluster.min_workers``); returns (every piece, some
+        piece) kept a removed worker's contribution to step ``from_version`` (it pushed some pieces before it died)."""
+        included = [p.set_workers(from_version, tuple(ids), scaled_lr) for p in self.pieces]
+        log.info(
+            "shard %d: workers %s contribute from step %d on (lr %g)", self.shard_id, list(ids), from_version, scaled_lr
+        )
+        return all(included), any(included)
 
     def close(self) -> None:
         self.each(ParameterShard.close)

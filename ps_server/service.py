@@ -23,6 +23,7 @@ import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -38,11 +39,13 @@ from pstrain.protos.codec import (
 )
 from pstrain.ps_server import metrics
 from pstrain.ps_server.admission import ShardGate
+from pstrain.ps_server.bulk import BulkRefused, BulkSocket, BulkSockets, StaleBulk
 from pstrain.ps_server.errors import InvalidArgument, NotReady, PsError, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.pieces import PiecedShard, as_pieced
 from pstrain.ps_server.shard import ParameterShard, PushResult
 from pstrain.ps_server.shm import NotColocated, SharedRegions, StaleRegion
 from pstrain.runtime.admission import Overloaded
+from pstrain.runtime.bulk_socket import MIN_TIMEOUT_S
 from pstrain.runtime.identity import PermissionDenied
 from pstrain.runtime.shm_region import HEADER_BYTES
 from pstrain.runtime.transport import abort_on_errors, full_service_name
@@ -59,11 +62,15 @@ translate = abort_on_errors(
         Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
         NotColocated: grpc.StatusCode.FAILED_PRECONDITION,
         StaleRegion: grpc.StatusCode.ABORTED,
+        BulkRefused: grpc.StatusCode.FAILED_PRECONDITION,
+        StaleBulk: grpc.StatusCode.ABORTED,
     }
 )
 
 PUSHES_STAGED = 8  # pushes receiving at once, each into a shard-sized buffer; the rest wait unread
 FOLLOW_POLL_S = 1.0  # how often the version follower looks whether its server has stopped
+BULK_TIMEOUT_S = 600.0  # a bulk push's transfer, before pstrain-ps sets the job's transport.push_timeout_s
+BULK_IO_THREADS = 16  # bulk payloads moving at once (each a blocking send or receive); more wait their turn
 
 
 class _StagingPool:
@@ -92,6 +99,13 @@ class _Versions:
     briefly) for each next version and hands it to the loop; pulls await it there. So the loop
     never blocks on the shard's lock (an update holds it), and waiting pulls hold no thread.
     A closed shard fails every pull with ``NotReady`` from then on.
+
+    The thread follows on demand (issue 12): once a version is out and no pull waits or has asked
+    since, it idles until the next pull instead of reading (for a whole shard: joining its pieces)
+    and encoding every later version for nobody. A pull that finds it idle waits for a version read
+    after it asked, so it gets the shard's newest, as it would from a busy follower. In steady
+    training every step's pulls keep it busy; what idles is, say, the whole-shard follower the
+    workers' first pull made, which would otherwise copy the shard twice per step for the whole run.
     """
 
     def __init__(
@@ -110,6 +124,9 @@ class _Versions:
         self._changed = asyncio.Event()
         self._waiting = 0
         self._waiting_changed = threading.Condition()
+        self._demand = threading.Event()  # a pull asked since the follower last read a version
+        self._idle = False  # the follower waits for demand: ``_latest`` may be older than the shard
+        self._posts = 0  # versions handed to the loop (loop side)
         name = f"shard-{shard.shard_id}-{shard.start}-versions"
         threading.Thread(target=self._follow, name=name, daemon=True).start()
 
@@ -125,13 +142,15 @@ class _Versions:
     async def get(self, min_version: int, timeout_s: float) -> EncodedReplies:
         """The encoded replies of ``min_version`` or newer, once the shard has published it."""
         deadline = self._loop.time() + timeout_s
+        self._demand.set()
+        fresh_after = self._posts if self._idle else -1  # idle: only a version read from now on is the newest
         self._count_waiting(+1)
         try:
             while True:
                 if self._closed is not None:
                     raise NotReady(self._closed)
                 latest = self._latest
-                if latest is not None and latest.version >= min_version:
+                if latest is not None and latest.version >= min_version and self._posts > fresh_after:
                     return latest
                 remaining = deadline - self._loop.time()
                 if remaining <= 0:
@@ -155,6 +174,12 @@ class _Versions:
         """The one thread per shard that waits for versions (ends with the loop or the shard)."""
         want = 0
         while not self._loop.is_closed():
+            if want and not self._demand.is_set() and not self.waiting:
+                self._idle = True
+                if not self._demand.wait(FOLLOW_POLL_S):
+                    continue  # looks again whether the server has stopped
+                self._idle, want = False, 0  # the newest version, whichever it is
+            self._demand.clear()
             try:
                 with self._shard.read(want, FOLLOW_POLL_S) as (version, published):
                     # Encoded while the read lease keeps the shard from reusing this buffer.
@@ -183,6 +208,7 @@ class _Versions:
         else:
             assert encoded is not None
             self._latest = encoded
+            self._posts += 1
         self._changed.set()  # wakes the pulls waiting now; later ones wait on a fresh event
         self._changed = asyncio.Event()
 
@@ -202,6 +228,11 @@ class ParameterServerServicer:
         self.shared_memory = True  # issue 12: offer colocated workers shared-memory regions (transport.shared_memory)
         self._regions: SharedRegions | None = None
         self._marks: dict[int | None, _Versions] = {}  # piece start -> version marks for shared-memory pulls
+        self.bulk = BulkSockets()  # issue 12: remote workers' payloads on raw sockets (``bulk.enabled = False``: off)
+        # Bulk payloads move in threads of their own, never the loop's default executor (the pushes' checks and
+        # updates): a slow reader of pulls cannot starve pushes. Each move is bounded by the job's timeouts.
+        self._bulk_io = ThreadPoolExecutor(max_workers=BULK_IO_THREADS, thread_name_prefix="bulk-io")
+        self.push_timeout_s = BULK_TIMEOUT_S  # pstrain-ps: the job's transport.push_timeout_s
 
     def attach(self, shard: ParameterShard | PiecedShard, chunk_bytes: int) -> None:
         """Called once the shard holds its initial parameters; until then RPCs are UNAVAILABLE.
@@ -228,7 +259,9 @@ class ParameterServerServicer:
         return self._regions
 
     def close_shared_memory(self) -> None:
-        """Unlink every shared-memory region (the server stops); later opens are refused."""
+        """Unlink every shared-memory region and close the bulk port (the server stops); later opens are refused."""
+        self.bulk.close()
+        self._bulk_io.shutdown(wait=False, cancel_futures=True)
         if self._regions is not None:
             self._regions.close()
 
@@ -248,18 +281,40 @@ class ParameterServerServicer:
 
     @translate
     async def Push(self, request_iterator: AsyncIterator[PushPart], context: grpc.aio.ServicerContext) -> pb.PushReply:
-        shard = self.shard
-        started = time.perf_counter()
         first = await anext(request_iterator, None)
         if first is None or first.header is None:
             raise InvalidArgument("a push stream must start with a PushHeader")
         h = first.header
+        # Issue 8: who pushes comes first: a caller that is not worker ``h.worker_id`` (or claims more devices than
+        # the job's) is refused here, on the loop, before a thread hop, the shard's lock, a bulk socket or a payload
+        # byte; refusing costs one MAC, and an unauthenticated caller learns nothing about the rest of its push.
+        self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
+        # Issue 12: a bulk push's payload follows on that socket, which this push owns until it ends; the socket
+        # is kept only if the push read exactly its payload and succeeded (a refusal or a duplicate leaves it
+        # unread; a refusal after the read fails the call, and the client then closes its end too).
+        bulk = self.bulk.take(h.bulk_ticket, h.worker_id) if h.bulk_ticket else None
+        ok = False
+        try:
+            reply = await self._push(h, bulk, request_iterator, context)
+            ok = True
+            return reply
+        finally:
+            if bulk is not None:
+                self.bulk.release(bulk, keep=bulk.moved and ok)
+
+    async def _push(
+        self,
+        h: pb.PushHeader,
+        bulk: BulkSocket | None,
+        request_iterator: AsyncIterator[PushPart],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.PushReply:
+        shard = self.shard
+        started = time.perf_counter()
         piece = h.piece_start if h.HasField("piece_start") else None
         # The shard's calls go to a thread: they wait for its lock while an update holds it.
         check = functools.partial(shard.check_push, piece_start=piece)
         duplicate = await asyncio.to_thread(check, h.shard_id, h.worker_id, h.step, h.device_count, h.dtype, h.numel)
-        # Issue 8: only the worker itself may push for it, with its registered device count; before any payload.
-        self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
         if duplicate:
             version = shard.version if piece is None else shard.piece(piece, h.numel).version
             return pb.PushReply(version=version, duplicate=True)
@@ -272,6 +327,7 @@ class ParameterServerServicer:
         async with self._staging_slots:
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # h.dtype is the job's push dtype (checked)
             pushing: asyncio.Future[PushResult] | None = None
+            receiving: asyncio.Future[torch.Tensor] | None = None
             try:
                 take: Callable[[], torch.Tensor]
                 if h.shm_nonce:  # the piece is in the worker's push region: copied out in the shard's thread
@@ -283,6 +339,16 @@ class ParameterServerServicer:
                         take = functools.partial(regions.take, pair, where, buf)
                     if await anext(request_iterator, None) is not None:
                         raise InvalidArgument("a shared-memory push carries its header only")
+                elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
+                    if await anext(request_iterator, None) is not None:
+                        raise InvalidArgument("a bulk push carries its header only")
+                    # Read in a bulk thread, shielded: a cancelled push keeps its buffer until the read has ended.
+                    timeout_s = _bounded(context.time_remaining(), self.push_timeout_s)
+                    receiving = asyncio.get_running_loop().run_in_executor(
+                        self._bulk_io, _received, bulk, buf, timeout_s
+                    )
+                    await asyncio.shield(receiving)
+                    take = receiving.result
                 else:
                     assembler = TensorAssembler(buf.dtype, h.numel, out=buf)
                     async for part in request_iterator:
@@ -298,10 +364,11 @@ class ParameterServerServicer:
                 # Shielded: a cancelled RPC must not hand the buffer to another push while the shard reads it.
                 result = await asyncio.shield(pushing)
             finally:
-                if pushing is None or pushing.done():
+                running = next((f for f in (receiving, pushing) if f is not None and not f.done()), None)
+                if running is None:
                     self._pool.release(buf)
                 else:
-                    pushing.add_done_callback(lambda _: self._pool.release(buf))
+                    running.add_done_callback(lambda _: self._pool.release(buf))
         metrics.BYTES_PUSHED.inc(h.numel * buf.element_size())
         metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
         if result.completed:
@@ -319,6 +386,16 @@ class ParameterServerServicer:
         started = time.perf_counter()
         if request.HasField("shm_worker"):
             yield await self._pull_shared(shard, piece, request, context)
+            metrics.PULL_SECONDS.observe(time.perf_counter() - started)
+            return
+        if request.bulk_ticket:
+            bulk = self._take_for_pull(request, context)
+            ok = False
+            try:  # the socket is kept only if the call succeeded, reply included (as the client keeps its end)
+                yield await self._pull_bulk(shard, piece, request, bulk, context)
+                ok = True
+            finally:
+                self.bulk.release(bulk, keep=bulk.moved and ok)
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
@@ -352,6 +429,65 @@ class ParameterServerServicer:
         version = await asyncio.to_thread(put)
         metrics.BYTES_PULLED.inc(source.numel * 4)
         return pb.PullReply(version=version).SerializeToString()
+
+    def _take_for_pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> BulkSocket:
+        """The caller's bulk socket: a member's credential first (an outsider learns nothing about tickets), then
+        only the worker that owns the socket gets it (a peer that has seen a ticket cannot get it closed)."""
+        metadata = context.invocation_metadata()
+        if self.gate.keys is not None:
+            self.gate.keys.verify(metadata)
+        owner = self.bulk.owner(request.bulk_ticket)
+        if self.gate.keys is not None:
+            self.gate.keys.require(metadata, "worker", owner)
+        return self.bulk.take(request.bulk_ticket, owner)
+
+    async def _pull_bulk(
+        self,
+        shard: PiecedShard,
+        piece: int | None,
+        request: pb.PullRequest,
+        bulk: BulkSocket,
+        context: grpc.aio.ServicerContext,
+    ) -> bytes:
+        """Send the piece (at ``min_version`` or newer) as raw bytes on the caller's bulk socket, straight from the
+        published buffer; the header-only reply follows once every byte is written. The pull holds its admission
+        (``gate.pull``) until then, and the send is bounded by the job's pull timeout whatever the caller's."""
+        source = self._source_of(shard, piece)
+        if request.bulk_numel != source.numel:  # before a byte is sent: the socket is closed, nothing is left on it
+            raise InvalidArgument(
+                f"a bulk pull reads {request.bulk_numel} elements; this piece of shard {shard.shard_id} has "
+                f"{source.numel}"
+            )
+        with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
+            marks = self._marks.get(piece)
+            if marks is None:
+                marks = self._marks[piece] = _Versions(source, 1, asyncio.get_running_loop(), encode=False)
+            await marks.get(request.min_version, wait_s)
+
+            def send() -> int:
+                with source.read(request.min_version, wait_s) as (version, published):
+                    bulk.send(published, _bounded(context.time_remaining(), self.gate.pulls.limits.max_wait_s))
+                return version
+
+            version = await asyncio.get_running_loop().run_in_executor(self._bulk_io, send)
+        metrics.BYTES_PULLED.inc(source.numel * 4)
+        return pb.PullReply(version=version).SerializeToString()
+
+    @translate
+    async def OpenBulk(self, request: pb.BulkRequest, context: grpc.aio.ServicerContext) -> pb.BulkGrant:
+        """A port and nonce for the calling worker's bulk sockets; refused over TLS (they are plaintext). Only the
+        port: the client connects to the host it reached this server at (the shard's advertised address). The
+        nonce is the credential's incarnation's: a replaced worker's old process holds sockets of its own."""
+        shard = self.shard
+        if request.shard_id != shard.shard_id:
+            raise InvalidArgument(f"bulk sockets for shard {request.shard_id} asked of shard {shard.shard_id}")
+        incarnation = 0
+        if self.gate.keys is not None:  # a peer without the worker's credential never gets a nonce
+            incarnation = self.gate.keys.require(context.invocation_metadata(), "worker", request.worker_id).incarnation
+        if context.auth_context().get("transport_security_type") != [b"insecure"]:
+            raise BulkRefused("bulk sockets are plaintext: a TLS channel streams its tensors over gRPC")
+        port, nonce = await asyncio.to_thread(self.bulk.grant, request.worker_id, incarnation)
+        return pb.BulkGrant(port=port, nonce=nonce)
 
     @translate
     async def OpenSharedMemory(self, request: pb.ShmRequest, context: grpc.aio.ServicerContext) -> pb.ShmRegions:
@@ -404,6 +540,16 @@ class ParameterServerServicer:
         return versions
 
     @translate
+    async def SetWorkers(self, request: pb.SetWorkersRequest, context: grpc.aio.ServicerContext) -> pb.SetWorkersReply:
+        """Issue 11 (``cluster.min_workers``): the contributors from a step on; only the coordinator may say so."""
+        if self.gate.keys is not None:
+            self.gate.keys.require(context.invocation_metadata(), "coordinator", 0)
+        shard = self.shard
+        call = functools.partial(shard.set_workers, request.from_version, list(request.worker_ids), request.scaled_lr)
+        every, some = await asyncio.to_thread(call)  # the pieces' locks may be held by an update
+        return pb.SetWorkersReply(included_all=every, included_any=some)
+
+    @translate
     def GetShardStatus(self, request: pb.ShardStatusRequest, context: grpc.ServicerContext) -> pb.ShardStatus:
         s = self.shard.snapshot()
         return pb.ShardStatus(
@@ -423,6 +569,17 @@ def _as_is(message: bytes) -> bytes:
     return message
 
 
+def _received(bulk: BulkSocket, buf: torch.Tensor, timeout_s: float) -> torch.Tensor:
+    bulk.receive(buf, timeout_s)
+    return buf
+
+
+def _bounded(remaining_s: float | None, limit_s: float) -> float:
+    """A bulk move's timeout: the call's time left (None: no deadline) within the job's limit; a deadline already
+    past leaves the least positive timeout, so the move fails as a timeout."""
+    return max(MIN_TIMEOUT_S, limit_s if remaining_s is None else min(remaining_s, limit_s))
+
+
 def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
     """Register the ParameterServer service with the data plane's serializers (for ``start_server``).
 
@@ -437,10 +594,20 @@ def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Ser
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=_as_is
         ),
+        "SetWorkers": grpc.unary_unary_rpc_method_handler(
+            servicer.SetWorkers,
+            request_deserializer=pb.SetWorkersRequest.FromString,
+            response_serializer=pb.SetWorkersReply.SerializeToString,
+        ),
         "GetShardStatus": grpc.unary_unary_rpc_method_handler(
             servicer.GetShardStatus,
             request_deserializer=pb.ShardStatusRequest.FromString,
             response_serializer=pb.ShardStatus.SerializeToString,
+        ),
+        "OpenBulk": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenBulk,
+            request_deserializer=pb.BulkRequest.FromString,
+            response_serializer=pb.BulkGrant.SerializeToString,
         ),
         "OpenSharedMemory": grpc.unary_unary_rpc_method_handler(
             servicer.OpenSharedMemory,

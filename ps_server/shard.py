@@ -16,6 +16,13 @@ leaves the shard exactly as it was.
     push(non-finite gradient)    -> InvalidArgument: a NaN never reaches the parameters
     push(skip=True)              -> counted without a payload; the step completes without an update
 
+The contributors (``cluster.min_workers``): worker ids ``0..workers-1`` at first; ``set_workers(from_version,
+ids, scaled_lr)`` changes who contributes to step ``from_version`` on, and the learning rate with them (S1.6).
+Removing a worker applies to the step in flight at once: a contribution of it that arrived is kept (it is
+in the step), the step no longer waits for one that did not. Adding one must come before its step
+collects any push. A push from a worker not among the step's contributors is refused (StepConflict)
+and changes nothing.
+
 Determinism: contributions are summed in worker order whatever order they arrive in (an early
 one from a higher worker id waits in a side buffer), so a step's result does not depend on
 timing and a resumed run equals an uninterrupted one bit for bit.
@@ -137,7 +144,10 @@ class ParameterShard:
         self._version = version
         self._pending: dict[int, int] = {}  # worker -> device count, for the current step
         self._held: dict[int, torch.Tensor] = {}  # contributions that arrived before a lower worker's
-        self._summed = 0  # workers 0.._summed-1 are in the accumulator (or skipped)
+        self._contributors: tuple[int, ...] = tuple(range(workers))  # who contributes to the next steps
+        self._order: tuple[int, ...] = self._contributors  # the current step's contributors, summed in this order
+        self._changes: dict[int, tuple[tuple[int, ...], float]] = {}  # from_version -> (ids, scaled_lr), not yet due
+        self._summed = 0  # workers _order[:_summed] are in the accumulator (or skipped)
         self._has_sum = False  # the accumulator holds this step's first contribution already
         self._skip_step = False
         self._skipped_steps = 0
@@ -238,29 +248,105 @@ class ParameterShard:
                 self._skip_step = True
                 self._held[worker_id] = self._accum[:0]  # an empty placeholder: nothing to add
             else:
-                self._held[worker_id] = grad if worker_id == self._summed else grad.clone()
+                in_turn = self._summed < len(self._order) and worker_id == self._order[self._summed]
+                self._held[worker_id] = grad if in_turn else grad.clone()
             self._sum_in_order()
-            if len(self._pending) < self.workers:
+            if len(self._pending) < len(self._order):
                 return PushResult(self._version, duplicate=False, completed=False)
             started = time.perf_counter()
-            skipped = self._apply_update()
-            update_s = time.perf_counter() - started
-            if self._checkpoints is not None and self._checkpoints.due(self._version):
-                snapshot = self._checkpoint_state()
-            result = PushResult(self._version, False, True, update_s=update_s, skipped=skipped)
-        if snapshot is not None:
-            assert self._checkpoints is not None
-            self._checkpoints.on_snapshot(snapshot)  # may wait for the previous write (backpressure)
-            blocked_s = time.perf_counter() - started - update_s
-            log.info(
-                "shard %d: checkpoint of step %d held training for %.4fs", self.shard_id, snapshot.version, blocked_s
-            )
+            result, snapshot = self._finish_step()
+        self._hand_over(snapshot, started, result.update_s)
         return result
+
+    def _finish_step(self) -> tuple[PushResult, ShardState | None]:
+        """Every contributor is in (the lock held): update, publish, and snapshot if a checkpoint is due."""
+        started = time.perf_counter()
+        skipped = self._apply_update()
+        update_s = time.perf_counter() - started
+        snapshot = None
+        if self._checkpoints is not None and self._checkpoints.due(self._version):
+            snapshot = self._checkpoint_state()
+        return PushResult(self._version, False, True, update_s=update_s, skipped=skipped), snapshot
+
+    def _hand_over(self, snapshot: ShardState | None, started: float, update_s: float) -> None:
+        """Outside the lock: hand a due checkpoint's snapshot to the writer."""
+        if snapshot is None:
+            return
+        assert self._checkpoints is not None
+        self._checkpoints.on_snapshot(snapshot)  # may wait for the previous write (backpressure)
+        blocked_s = time.perf_counter() - started - update_s
+        log.info("shard %d: checkpoint of step %d held training for %.4fs", self.shard_id, snapshot.version, blocked_s)
+
+    # ------------------------------------------------------------------ the contributors (cluster.min_workers)
+
+    def set_workers(self, from_version: int, ids: list[int] | tuple[int, ...], scaled_lr: float) -> bool:
+        """From step ``from_version`` on, ``ids`` contribute and the schedule's LR is ``scaled_lr`` (S1.6).
+
+        Returns whether a removed worker's contribution to step ``from_version`` is in it (it arrived
+        before the change: kept). A change for a later version waits for it; a removal may come late
+        (the step in flight stops waiting for the removed worker); an addition must come before its
+        step collects any push, else StepConflict and nothing changes.
+        """
+        wanted = tuple(sorted(set(ids)))
+        if not wanted or not all(0 <= i < self.workers for i in wanted):
+            raise InvalidArgument(f"contributors must be a non-empty subset of 0..{self.workers - 1}, got {list(ids)}")
+        if not scaled_lr > 0:
+            raise InvalidArgument(f"the learning rate must be positive, got {scaled_lr}")
+        started = time.perf_counter()
+        with self._cond:
+            self._check_open()
+            removed = set(self._contributors) - set(wanted)
+            included = any(self._last_step.get(w) == from_version for w in removed)
+            if from_version > self._version:
+                self._changes[from_version] = (wanted, scaled_lr)
+                return included
+            added = set(wanted) - set(self._order)
+            if added and (from_version < self._version or self._pending):
+                raise StepConflict(
+                    f"too late to add workers {sorted(added)} from step {from_version}: shard {self.shard_id} "
+                    f"{'is at step ' + str(self._version) if from_version < self._version else 'collects that step'}"
+                )
+            self._changes = {v: c for v, c in self._changes.items() if v < from_version}
+            self._enter(wanted, scaled_lr)
+            if not self._pending or len(self._pending) < len(self._order):
+                return included
+            result, snapshot = self._finish_step()
+        self._hand_over(snapshot, started, result.update_s)
+        return included
+
+    def _enter(self, ids: tuple[int, ...], scaled_lr: float) -> None:
+        """New contributors from the step in flight on (the lock held); contributions it has are kept."""
+        self._contributors = ids
+        self._order = tuple(sorted(set(ids) | set(self._pending)))
+        self._summed = 0
+        while self._summed < len(self._order) and self._order[self._summed] in self._pending:
+            if self._order[self._summed] in self._held:
+                break
+            self._summed += 1
+        self._sum_in_order()
+        schedule = pb.LrSchedule()
+        schedule.CopyFrom(self._schedule)
+        schedule.scaled_lr = scaled_lr
+        self._schedule = schedule
+        log.debug(
+            "shard %d [%d, %d): workers %s contribute from step %d on (lr %g)",
+            self.shard_id,
+            self.start,
+            self.end,
+            list(ids),
+            self._version,
+            scaled_lr,
+        )
+
+    @property
+    def contributors(self) -> tuple[int, ...]:
+        with self._cond:
+            return self._contributors
 
     def _sum_in_order(self) -> None:
         """Add held contributions to the accumulator in worker order, as far as there is no gap."""
-        while self._summed in self._held:
-            grad = self._held.pop(self._summed)
+        while self._summed < len(self._order) and self._order[self._summed] in self._held:
+            grad = self._held.pop(self._order[self._summed])
             if grad.numel():
                 if not self._has_sum:
                     self._accum.copy_(grad)  # the first contribution of a step: no zeroing pass; bf16 widens here
@@ -282,6 +368,11 @@ class ParameterShard:
                 f"push ahead of the shard: worker {worker_id} pushed step {step} but shard {self.shard_id} "
                 f"is at step {self._version}; a worker must pull version {step} before pushing step {step}"
             )
+        if worker_id not in self._order:
+            raise StepConflict(
+                f"worker {worker_id} does not contribute to step {step} of shard {self.shard_id}: the job goes on "
+                f"with workers {list(self._order)} (cluster.min_workers); register again to rejoin"
+            )
         return False
 
     def _apply_update(self) -> bool:
@@ -301,6 +392,10 @@ class ParameterShard:
         self._has_sum = False
         self._skip_step = False
         self._version += 1
+        self._order = self._contributors
+        change = self._changes.pop(self._version, None)
+        if change is not None:
+            self._enter(*change)
         self._cond.notify_all()
         return skipped
 
@@ -401,7 +496,7 @@ class ParameterShard:
                 self.end,
                 self._version,
                 len(self._pending),
-                self.workers,
+                len(self._order),
                 held,
                 self._optimizer_name,
                 self._skipped_steps,

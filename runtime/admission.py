@@ -28,9 +28,16 @@ class Overloaded(Exception):
     """A limit on held requests is reached (RESOURCE_EXHAUSTED); the message names it."""
 
 
+SHARD_KEY = "transport.max_waiting_pulls"
+PEER_KEY = "transport.max_waiting_pulls_per_peer"
+
+
 @dataclass(frozen=True)
 class PullLimits:
-    """Per shard: ``per_shard`` waiting pulls in all, ``per_peer`` from one peer, each at most ``max_wait_s``."""
+    """Per shard: ``per_shard`` waiting pulls in all, ``per_peer`` from one peer, each at most ``max_wait_s``.
+
+    Set by the job file (``SHARD_KEY``, ``PEER_KEY``, ``transport.pull_timeout_s``); a refusal names the key, so
+    the operator of a job whose workers are refused knows which setting to raise."""
 
     per_shard: int = 4096
     per_peer: int = 256
@@ -59,12 +66,14 @@ class PullAdmission:
         with self._lock:
             if self._total >= self.limits.per_shard:
                 raise Overloaded(
-                    f"{self._total} pulls already wait on this shard (limit {self.limits.per_shard}); retry later"
+                    f"{self._total} pulls already wait on this shard (limit {self.limits.per_shard}, {SHARD_KEY}); "
+                    "retry later"
                 )
             held = self._by_peer.get(peer, 0)
             if held >= self.limits.per_peer:
                 raise Overloaded(
-                    f"{peer} already has {held} pulls waiting on this shard (limit {self.limits.per_peer} per peer)"
+                    f"{peer} already has {held} pulls waiting on this shard "
+                    f"(limit {self.limits.per_peer} per peer, {PEER_KEY})"
                 )
             self._total += 1
             self._by_peer[peer] = held + 1

@@ -84,7 +84,10 @@ def bucket_bounds(layout: ParamLayout, bucket_bytes: int) -> list[tuple[int, int
     members: list[int] = []
     held = 0
     for i in reversed(range(count)):
-        if sizes[i] >= limit and held:  # a parameter at least the target's size is a bucket alone
+        # A parameter bigger than the target is a bucket alone. One of exactly the target's size is not: it closes
+        # the bucket it joins (a Linear(1024)'s 4 MiB weight and its bias make one bucket of the default 4 MiB, not
+        # a bias-only bucket and a weight-only one: half the pushes and pulls per step, each with its RPC cost).
+        if sizes[i] > limit and held:
             bounds.append(_bound(layout, members, sizes))
             members, held = [], 0
         members.append(i)

@@ -13,6 +13,14 @@ map both and reads back the announced nonce; pushes then send only the header af
 piece into the push region, and pulls receive only the header and copy the piece out of the pull
 region. Anything else (a remote shard, ``shared_memory=False``, a refusal) streams, as before.
 
+Remote (issue 12): gRPC Python's own copies keep a gRPC stream near 0.4x raw TCP, so a client
+moves payloads on bulk sockets (``runtime.bulk_client``, ``ps_server.bulk``) where the shard offers
+them: the header and the reply on gRPC as above, the raw bytes written from the caller's vector and
+read into the caller's buffer by the kernel, no user-space copy. ``bulk=False``
+(``transport.bulk_sockets: off``), a TLS channel or a shard that refuses streams over gRPC; a shard
+whose bulk port cannot be reached is streamed to for a back-off, then tried again
+(``runtime.bulk_client``); a bulk call the shard aborts (ABORTED) is streamed again.
+
 Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
 raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
 ``ps_api.with_retries``).
@@ -39,6 +47,7 @@ from pstrain.protos.codec import (
     encode_push_header,
     wire_dtype,
 )
+from pstrain.runtime.bulk_client import BulkClient, ClientSocket
 from pstrain.runtime.ps_api import (
     Cancelled,
     InvalidRequest,
@@ -91,6 +100,11 @@ def _pull_reply(raw: bytes) -> PullPart | CodecError:
         return exc
 
 
+def _aborted(exc: BaseException) -> bool:
+    """The shard refused or dropped a bulk socket (StaleBulk): the call changed nothing and may be streamed."""
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
+
+
 class _ShardStub:
     """Push and Pull of one shard's channel, with the data plane's serializers."""
 
@@ -101,7 +115,7 @@ class _ShardStub:
         self.Pull = channel.unary_stream(
             f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_pull_reply
         )
-        # Issue 12: a shared-memory pull's replies are header-only PullReply messages.
+        # Issue 12: a shared-memory (or bulk) pull's replies are header-only PullReply messages.
         self.PullShared = channel.unary_stream(
             f"/{_SERVICE}/Pull",
             request_serializer=pb.PullRequest.SerializeToString,
@@ -111,6 +125,11 @@ class _ShardStub:
             f"/{_SERVICE}/OpenSharedMemory",
             request_serializer=pb.ShmRequest.SerializeToString,
             response_deserializer=pb.ShmRegions.FromString,
+        )
+        self.OpenBulk = channel.unary_unary(
+            f"/{_SERVICE}/OpenBulk",
+            request_serializer=pb.BulkRequest.SerializeToString,
+            response_deserializer=pb.BulkGrant.FromString,
         )
         self.CloseSharedMemory = channel.unary_unary(
             f"/{_SERVICE}/CloseSharedMemory",
@@ -132,10 +151,12 @@ class PsClient:
         security: TransportSecurity = INSECURE,
         shared_memory: bool = True,
         push_dtype: torch.dtype = torch.float32,
+        bulk: bool = True,
     ) -> None:
         """``shared_memory``: use shared memory with shards on this host (``transport.shared_memory: auto``).
         ``push_dtype``: gradients leave as this (``transport.push_dtype``); each piece is rounded once, as it is
-        encoded, by ``round_push`` (the in-memory client calls the same function)."""
+        encoded, by ``round_push`` (the in-memory client calls the same function). ``bulk``: move payloads on raw
+        sockets where a shard offers them (``transport.bulk_sockets: auto``; see the module docstring)."""
         self.ranges: list[ShardRange] = shard_ranges(total, len(addresses))
         self.total = total
         self._addresses = list(addresses)
@@ -155,6 +176,7 @@ class PsClient:
             [s.CloseSharedMemory for s in self._stubs],
             shared_memory,
         )
+        self.bulk = BulkClient(self._addresses, [s.OpenBulk for s in self._stubs], bulk)
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
         # Piece pulls wait on the shards for the step's update: a pool of their own, so they never hold up a push.
         self._pulls = ThreadPoolExecutor(max_workers=PIECE_PULLS, thread_name_prefix="ps-pull")
@@ -209,6 +231,7 @@ class PsClient:
         self._pool.shutdown(wait=True, cancel_futures=cancel)
         self._pulls.shutdown(wait=True, cancel_futures=cancel)
         self.shared.unmap()
+        self.bulk.close()
         for channel in self._channels:
             channel.close()
 
@@ -275,6 +298,13 @@ class PsClient:
                 self.shared.count(shared=r.numel * 4)
                 return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
+        bulk = self.bulk.checkout(r.shard_id, worker_id) if piece is not None else None
+        if bulk is not None:
+            ack = self._push_bulk(r, header, piece, bulk)  # type: ignore[arg-type]
+            if ack is not None:
+                return ack
+            header.bulk_ticket = b""  # the shard dropped that socket: the stream below carries the payload
+
         def requests() -> Iterator[bytes]:
             yield encode_push_header(header)
             if piece is not None:
@@ -283,6 +313,50 @@ class PsClient:
         reply = self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s)
         self.shared.count(streamed=0 if piece is None else r.numel * piece.element_size())
         return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
+
+    def _push_bulk(
+        self, r: ShardRange, header: pb.PushHeader, piece: torch.Tensor, bulk: ClientSocket
+    ) -> ShardAck | None:
+        """The header on gRPC, the payload on ``bulk``; None if the shard aborted the call (stream it instead)."""
+        header.bulk_ticket = bulk.ticket
+        call = self._stubs[r.shard_id].Push.future(iter((encode_push_header(header),)), timeout=self._push_timeout_s)
+        bulk.abort_on_failure(call)
+        sent = bulk.send(piece, self._push_timeout_s)  # the payload's only copies are the kernel's
+        try:
+            reply = call.result()
+        except BaseException as exc:
+            self.bulk.discard(bulk)
+            if _aborted(exc):  # the shard dropped the socket before reading all of it: nothing was counted
+                return None
+            raise
+        if sent and not reply.duplicate:  # a duplicate's payload was never read: that socket is spoilt
+            self.bulk.checkin(r.shard_id, bulk)
+        else:
+            self.bulk.discard(bulk)
+        self.shared.count(streamed=r.numel * piece.element_size())
+        return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
+
+    def _pull_bulk(self, r: ShardRange, request: pb.PullRequest, dest: torch.Tensor, bulk: ClientSocket) -> int | None:
+        """The request and the header-only reply on gRPC, the parameters read into ``dest`` from ``bulk``; None if
+        the shard aborted the call."""
+        bulk_request = pb.PullRequest(bulk_ticket=bulk.ticket, bulk_numel=dest.numel())  # the shard checks the size
+        bulk_request.MergeFrom(request)
+        call = self._stubs[r.shard_id].PullShared(bulk_request, timeout=self._pull_timeout_s)
+        bulk.abort_on_failure(call)  # type: ignore[arg-type]
+        received = bulk.receive(dest, self._pull_timeout_s)
+        try:
+            replies = list(call)
+        except BaseException as exc:
+            self.bulk.discard(bulk)
+            if _aborted(exc):  # the shard dropped the socket: the stream overwrites whatever arrived
+                return None
+            raise
+        if not received or len(replies) != 1 or replies[0].HasField("chunk"):
+            self.bulk.discard(bulk)
+            raise CodecError("a bulk pull is answered with its payload on the socket and one header-only reply")
+        self.bulk.checkin(r.shard_id, bulk)
+        self.shared.count(streamed=r.numel * 4)
+        return replies[0].version
 
     def _pull_one(self, r: ShardRange, min_version: int, dest: torch.Tensor, is_piece: bool = False) -> int:
         assembler = TensorAssembler(torch.float32, r.numel, out=dest)
@@ -306,6 +380,11 @@ class PsClient:
                 dest.copy_(regions.pull.data[self.shared.span(r)])  # the payload's one copy on this side
                 self.shared.count(shared=r.numel * 4)
                 return replies[0].version
+        bulk = self.bulk.checkout(r.shard_id, None) if dest.is_contiguous() else None
+        if bulk is not None:
+            got = self._pull_bulk(r, request, dest, bulk)
+            if got is not None:
+                return got
         for reply in self._stubs[r.shard_id].Pull(request, timeout=self._pull_timeout_s):
             if isinstance(reply, CodecError):
                 raise reply

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -48,11 +49,16 @@ class RateLimitedLog:
 
 
 _LOG = RateLimitedLog()
+_COUNTERS: dict[grpc.StatusCode, Any] = {}  # code -> its labelled counter: a flood of refusals skips the label lookup
 
 
 def note_refusal(code: grpc.StatusCode, method: str, peer: str, reason: str) -> None:
-    """Count and (rate-limited) log one refused request."""
-    REJECTED.labels(code.name).inc()
+    """Count and (rate-limited) log one refused request: a counter increment and a dict update per refusal, the
+    formatting only for the lines that get through (a refusal flood costs the log nothing)."""
+    counter = _COUNTERS.get(code)
+    if counter is None:
+        counter = _COUNTERS[code] = REJECTED.labels(code.name)
+    counter.inc()
     dropped = _LOG.admit((code.name, method))
     if dropped is None:
         return

@@ -133,6 +133,8 @@ def test_playbook_installs_everything(deployed, tmp_path):
     envs = {p.name: p.read_text() for p in (root / "etc/pstrain").glob("ps-*.env")}
     assert sorted(envs) == ["ps-0.env", "ps-1.env"]
     assert "PSTRAIN_PS_PORT=7101" in envs["ps-1.env"] and "PSTRAIN_PS_METRICS_PORT=9411" in envs["ps-1.env"]
+    assert "PSTRAIN_PS_BULK_PORT=7151" in envs["ps-1.env"]  # issue 12: the port to open to remote workers
+    assert "--bulk-port ${PSTRAIN_PS_BULK_PORT}" in (units / "pstrain-ps@.service").read_text()
     cfg = load_config(root / "etc/pstrain/job.yaml")
     assert cfg.cluster.ps_shards == 2 and cfg.cluster.workers == 1 and cfg.model.factory == "examples.digits:mlp"
     check = subprocess.run(

@@ -154,3 +154,16 @@ def test_supervise_gives_up_only_when_every_death_is_final():
     assert supervise([("worker-0", 3), ("worker-1", 3)], True, 3, {}, 0).cluster == ("worker-0", 3)
     assert supervise([("ps-0", 3)], True, 3, {}, 0).cluster == ("ps-0", 3)  # its checkpoint cannot be loaded
     assert supervise([("coordinator", -9), ("worker-1", 3)], True, 3, {}, 0).cluster == ("worker-1", 3)
+
+
+def test_supervise_leaves_a_worker_dead_when_min_workers_allows_it():
+    """cluster.min_workers below cluster.workers: a worker past its restarts (or any, with max_restarts 0)
+    stays dead while enough remain; the coordinator drops its slot, the cluster is not restarted."""
+    assert supervise([("worker-1", -9)], True, 0, {}, 0, spare_workers=1) == Supervision(None, (), (("worker-1", -9),))
+    assert supervise([("worker-1", 1)], True, 3, {"worker-1": 3}, 0, spare_workers=1).left == (("worker-1", 1),)
+    assert supervise([("worker-1", -9)], True, 3, {}, 0, spare_workers=1).alone == (("worker-1", -9),)  # restarts left
+    two = supervise([("worker-0", -9), ("worker-1", -9)], True, 0, {}, 0, spare_workers=1)
+    assert two.cluster == ("worker-1", -9) and two.left == ()  # one too many: the cluster restarts
+    assert supervise([("worker-1", -9)], True, 0, {}, 0, spare_workers=0).cluster == ("worker-1", -9)
+    assert supervise([("worker-1", -9)], False, 0, {}, 0, spare_workers=1).cluster == ("worker-1", -9)  # no drops
+    assert supervise([("worker-1", 3)], True, 0, {}, 0, spare_workers=1).cluster == ("worker-1", 3)  # job failed

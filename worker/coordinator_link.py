@@ -1,5 +1,9 @@
 """The worker's side of the Coordinator contract: data shards, step reports, buffers.
 
+Buffers (issue 11): the final ones go up for model.pt (``upload_buffers``, worker 0); at every
+checkpoint step every slot's go up (``upload_slot_buffers``) and come back on resume
+(``fetch_slot_buffers``); see ``worker/slot_buffers.py``.
+
 Heartbeats are the member skeleton's (``pstrain.runtime.member``), shared with the PS.
 
 A coordinator that dies mid-job is restarted and takes the job back from its journal; meanwhile
@@ -16,14 +20,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 import grpc
+import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import encode_named_tensors
+from pstrain.protos.codec import decode_named_tensors, encode_named_tensors
+from pstrain.runtime.admission import checked_tensor_stream
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -107,3 +113,31 @@ class CoordinatorLink:
 
     def upload_buffers(self, buffers: dict, chunk_bytes: int) -> None:  # type: ignore[type-arg]
         self._stub.UploadBuffers(encode_named_tensors(buffers, chunk_bytes), timeout=300)
+
+    def upload_slot_buffers(self, step: int, buffers: dict[str, torch.Tensor], chunk_bytes: int) -> None:
+        """Issue 11: this slot's buffers after the update to checkpoint ``step`` (every replica's), retried."""
+
+        def parts() -> Iterator[pb.SlotBuffersPart]:
+            yield pb.SlotBuffersPart(header=pb.SlotBuffersHeader(worker_id=self.worker_id, step=step))
+            for chunk in encode_named_tensors(buffers, chunk_bytes):
+                yield pb.SlotBuffersPart(chunk=chunk)
+
+        self._retrying("buffers upload", lambda: self._stub.UploadSlotBuffers(parts(), timeout=300))
+
+    def fetch_slot_buffers(
+        self, step: int, expected: Mapping[str, tuple[int, tuple[int, ...]]]
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Issue 11: this slot's newest buffers at or before ``step`` and their step (-1: none); each
+        announced tensor is checked against ``expected`` (name -> wire dtype, shape) before it is allocated."""
+
+        def fetch() -> tuple[int, dict[str, torch.Tensor]]:
+            parts = self._stub.FetchSlotBuffers(pb.SlotBuffersRequest(worker_id=self.worker_id, step=step), timeout=300)
+            first = next(parts, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise ValueError("FetchSlotBuffers: the reply does not start with its header")
+            chunks = (part.chunk for part in parts)
+            return first.header.step, decode_named_tensors(checked_tensor_stream(chunks, expected))
+
+        found = self._retrying("buffers download", fetch)
+        assert found is not None
+        return found

@@ -37,6 +37,7 @@ from pstrain.worker.probe import device_profile, run_probe
 from pstrain.worker.replicas import MemoryPolicy, ReplicaSet
 from pstrain.worker.row_store import host_row_store, probe_row_store, rejoin_rows_check
 from pstrain.worker.service import WorkerServicer
+from pstrain.worker.slot_buffers import SlotBufferCheckpoints
 from pstrain.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -180,10 +181,11 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         security=member.served.security,
         push_dtype=torch.bfloat16 if job.push_dtype == pb.BFLOAT16 else torch.float32,  # issue 12
         shared_memory=not job.shared_memory_off,  # issue 12: colocated shards through /dev/shm
+        bulk=not job.bulk_sockets_off,  # issue 12: remote shards' payloads on raw TCP (transport.bulk_sockets)
     )
     member.closing(lambda: ps.close(cancel=True))  # a pull left waiting on a failed step must not hold the exit
     rows_check = rejoin_rows_check(job, cluster.ps_addresses, reply.worker_id, member.served.security)  # issue 9
-    if reply.replacement and not rejoin(member, reply.worker_id, ps, job.total_params, rows_check):
+    if reply.replacement and not rejoin(member, reply.worker_id, ps, job.total_params, rows_check, reply.start_step):
         return EXIT_RESTART
     trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, member.stop)
     trainer.sparse = host_row_store(  # issue 9: sparse embedding rows, when the job declares tables
@@ -194,6 +196,7 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         devices,
         member.served.security,
     )
+    trainer.buffers = SlotBufferCheckpoints.of(link, replicas, job)  # issue 11: buffers in the checkpoints
     if trainer.sparse is not None:
         member.closing(lambda: trainer.sparse.client.close(cancel=True))  # type: ignore[union-attr]
     servicer.progress = trainer.progress
@@ -216,13 +219,14 @@ def rejoin(
     ps: PsClient,
     total_params: int,
     rows_check: Callable[[int], str] | None = None,
+    start_step: int = 0,
 ) -> bool:
     """S2.5: a replacement pulls the current version and tells the coordinator, which positions the
     slot's data there; False when the job cannot go on in place (the coordinator rolls it back).
     ``rows_check(version)`` (issue 9, ``row_store.rows_behind``): why the sparse tables cannot go on there."""
     inconsistent = ""
     try:
-        version = ps.pull(0, torch.empty(total_params, dtype=torch.float32))
+        version = ps.pull(start_step, torch.empty(total_params, dtype=torch.float32))  # issue 11: a slot taken back
     except RuntimeError as exc:  # the shards disagree: the failed worker pushed to some of them only
         version, inconsistent = -1, str(exc)
     if not inconsistent and rows_check is not None:
@@ -252,4 +256,5 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging("pstrain-worker", args.log_level)
+    MemberProcess.freeze_gc_when_ready = True  # its own process: ready() freezes the start-up objects
     return run(args)

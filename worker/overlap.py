@@ -5,7 +5,8 @@ all parameters of a bucket (``runtime.buckets``) have their gradient on a device
 ready there, and when it is ready on every device of the host, one background sender thread (a
 single-thread executor: bounded, buckets leave in the order they became ready) sums that bucket's
 slice of the devices' gradients into the host buffer (device order, as ``ReplicaSet.sum_gradients``
-does for the whole vector, so the sum is bit-identical) and pushes its pieces at once, while
+does for the whole vector, so the sum is bit-identical; with one device there is nothing to sum and
+the bucket is pushed from that device's host buffer itself) and pushes its pieces at once, while
 backward goes on with earlier layers. Once the shards have acknowledged the bucket, its pull of the
 next version starts (from the acknowledging thread, so the sender never waits), which the shard
 serves as soon as every worker has pushed that piece; a bucket whose push must be repeated is
@@ -80,6 +81,10 @@ class BucketPusher:
         self.host_grads = host_grads
         self.host_params = host_params
         self.staging = list(staging)
+        # One device: its staging buffer (the CPU replica's own flat gradient, a GPU's pinned copy) is already the
+        # host sum, so buckets are pushed from it without a copy; it is not written again before the next step's
+        # forward, and the trainer waits for every push of a step (and its repeats) before that.
+        self.grads = self.staging[0] if len(self.staging) == 1 else host_grads
         self.skip_nonfinite = skip_nonfinite
         self._sizes = [len(b.params) for b in plan.buckets]
         self._lock = threading.Lock()
@@ -173,10 +178,11 @@ class BucketPusher:
             event = self._events[device][bucket.index]
             if event is not None:
                 event.synchronize()  # type: ignore[attr-defined]
-        dest = self.host_grads[bucket.start : bucket.end]
-        dest.copy_(self.staging[0][bucket.start : bucket.end])
-        for staged in self.staging[1:]:
-            dest.add_(staged[bucket.start : bucket.end])
+        dest = self.grads[bucket.start : bucket.end]
+        if len(self.staging) > 1:  # several devices: their sum, in device order
+            dest.copy_(self.staging[0][bucket.start : bucket.end])
+            for staged in self.staging[1:]:
+                dest.add_(staged[bucket.start : bucket.end])
         if step.finite and not all_finite(dest):
             step.finite = False
             step.first_nonfinite = bucket.index
@@ -184,7 +190,7 @@ class BucketPusher:
         if step.finite:
             if self.on_push is not None:
                 self.on_push(bucket)
-            handle = self.ps.push_pieces(self.host_grads, bucket.pieces, self.worker_id, step.step, devices)
+            handle = self.ps.push_pieces(self.grads, bucket.pieces, self.worker_id, step.step, devices)
         elif self.skip_nonfinite:
             handle = self.ps.skip_pieces(bucket.pieces, self.worker_id, step.step, devices)
         else:

@@ -281,6 +281,25 @@ class ReplicaSet:
         """The first replica's buffers (e.g. BatchNorm statistics), for the exported model."""
         return {name: b.detach().cpu() for name, b in self.replicas[0].model.named_buffers()}
 
+    def slot_buffers(self) -> dict[str, torch.Tensor]:
+        """Every replica's buffers as ``"<replica>/<name>"`` copies (issue 11: a checkpoint of the slot).
+
+        Each replica updates its own (BatchNorm sees its own slice of the batch), so all are kept.
+        """
+        return {
+            f"{i}/{name}": b.detach().to("cpu", copy=True)
+            for i, r in enumerate(self.replicas)
+            for name, b in r.model.named_buffers()
+        }
+
+    def load_slot_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Put ``slot_buffers``' copies back into every replica (a resumed slot); each must be there."""
+        with torch.no_grad():
+            for i, r in enumerate(self.replicas):
+                for name, b in r.model.named_buffers():
+                    b.copy_(buffers[f"{i}/{name}"])
+        self._synchronize()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -8,6 +8,8 @@ The per-phase figures are compute, exposed push (the wait after backward) and ex
 time forward waited for buckets); non-finite handling per bucket is described in ``overlap``.
 As before S4, a step counts as done (``run``'s count, ``progress.step``) once the parameters it
 produced have all arrived, which is now during the next step's forward (or at the end of the run).
+The step report goes to the coordinator in the background (issue 12: a control RPC off the critical
+path); its directive is read after the next forward, before that step pushes anything.
 
 The trainer talks to the parameter server through ``ParameterServerClient`` only, so it runs
 the same over gRPC and over in-memory shards (``tests/test_trainer.py``). It owns the retry of
@@ -27,12 +29,14 @@ FAILED). An error raised by ``run`` leaves the state as it was.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -55,6 +59,7 @@ from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.overlap import BucketLoader, BucketPusher, StepPushes
 from pstrain.worker.replicas import ReplicaSet
 from pstrain.worker.row_store import HostRowStore
+from pstrain.worker.slot_buffers import SlotBufferCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,10 @@ class Trainer:
         self._ran = 0  # steps this run() has completed
         self._unloaded: int | None = None  # the step whose new parameters are still being pulled (S4)
         self.sparse: HostRowStore | None = None  # issue 9: the host's embedding rows, when the job has tables
+        # Issue 12: a step's report goes out in the background; its directive is read before the next step pushes.
+        self._reporting: ThreadPoolExecutor | None = None  # one thread per run(), shut down when it returns
+        self._report: Future[pb.Directive] | None = None
+        self.buffers: SlotBufferCheckpoints | None = None  # issue 11: the slot's buffers in the checkpoints
         self.plan = plan_buckets(replicas.layout, ps.ranges, job.bucket_bytes)
         self.pusher = BucketPusher(
             self.plan,
@@ -130,18 +139,30 @@ class Trainer:
         """
         self._ran = 0
         self._unloaded = None
+        self._reporting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-report")
         try:
-            self._train()
+            try:
+                self._train()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the report in flight is sent; the error raised is training's
+                    self._wait_report()
+                raise
+            self._wait_report()  # every report has reached the coordinator before run returns
         except Cancelled:
             if not self.stop.is_set():
                 raise  # the client was closed under a trainer nobody asked to stop
             self.progress.state = "stopped"
             log.info("worker %d stopped during a parameter-server call", self.worker_id)
+        finally:
+            self._reporting.shutdown(wait=False)  # the last report was waited for above; its thread ends now
+            self._reporting = None
         return self._ran
 
     def _train(self) -> None:
         version = self._retrying("pull", lambda: self.ps.pull(0, self.replicas.host_params))
         self.replicas.load_parameters()
+        if self.buffers is not None:
+            self.buffers.restore(version)  # a resumed slot's buffers back, before its first forward
         self.replicas.train()
         self.progress.state = "training"
         log.info("worker %d starts at step %d of %d", self.worker_id, version, self.job.steps)
@@ -154,12 +175,16 @@ class Trainer:
             directive = self._step(step)
             if self.progress.state == "failed":
                 return
-            if directive.stop and step + 1 < self.job.steps:
-                log.warning("coordinator stopped the job at step %d: %s", step, directive.reason)
+            if directive is not None:  # the previous step's directive stopped the job, or the stop flag: no push
+                if directive.stop:
+                    log.warning("coordinator stopped the job at step %d: %s", step - 1, directive.reason)
+                else:
+                    log.info("worker %d stopping before step %d", self.worker_id, step)
                 self._load_all()
                 self.progress.state = "failed" if directive.state == pb.FAILED else "stopped"
                 self.restart_may_help = directive.retryable
                 return
+        self._wait_report()  # the last step's directive: the job is over whatever it says
         self._load_all()  # the last step's pulls: the replicas end on the final parameters
         self.progress.state = "finished"
 
@@ -170,7 +195,9 @@ class Trainer:
             self.progress.step = self._unloaded + 1
             self._unloaded = None
 
-    def _step(self, step: int) -> pb.Directive:
+    def _step(self, step: int) -> pb.Directive | None:
+        """One step; None once its report is on its way, else why nothing was pushed (or the non-finite report's
+        directive): the previous step's directive stopped the job, the stop flag was set, or ``on_nonfinite: stop``."""
         started = time.perf_counter()
         devices = len(self.replicas)
         inputs, targets = self.feed.next_batch(self.job.per_device_batch * devices)
@@ -179,6 +206,10 @@ class Trainer:
         losses = self.replicas.forward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         pull_s = max(self.loader.waited_s)  # forward's waits for this step's buckets: the exposed pull
         self._loaded()  # forward loaded every bucket of this step's version: the previous step is done
+        previous = self._wait_report()  # the previous step's report went out during this forward
+        if previous.stop or self.stop.is_set():
+            self.replicas.drop_losses()
+            return previous
         if all(math.isfinite(loss) for loss in losses):
             self.pusher.start(step)
             self.replicas.backward()  # every bucket is pushed as backward completes it
@@ -215,16 +246,29 @@ class Trainer:
             elapsed,
             skipped=not finite,
         )
-        return self.reporter.report(
-            pb.StepReport(
-                worker_id=self.worker_id,
-                step=step,
-                loss=sum(losses) / devices,
-                samples=int(inputs.shape[0]),
-                step_s=elapsed,
-                nonfinite=not finite,
-            )
+        if self.buffers is not None:
+            self.buffers.after_step(step)  # a checkpoint step's buffers go up before its report
+        report = pb.StepReport(
+            worker_id=self.worker_id,
+            step=step,
+            loss=sum(losses) / devices,
+            samples=int(inputs.shape[0]),
+            step_s=elapsed,
+            nonfinite=not finite,
         )
+        assert self._reporting is not None  # inside run()
+        self._report = self._reporting.submit(self.reporter.report, report)
+        return None
+
+    def _wait_report(self) -> pb.Directive:
+        """The directive answering the step report in flight (an empty one if none is): off the critical path.
+
+        ``_step`` sends a report in the background and reads its directive after the next forward, before that step
+        pushes anything, so a directive that stops the job still stops it before any further push; a stop flag set
+        meanwhile (the heartbeat's) is looked at there too. A report's error is raised here.
+        """
+        pending, self._report = self._report, None
+        return pb.Directive() if pending is None else pending.result()
 
     def _wait_pushes(self, pushes: StepPushes, devices: int) -> None:
         """Wait for every bucket's acknowledgements; a bucket a shard could not take now is pushed again."""
@@ -236,7 +280,7 @@ class Trainer:
                 def again(bucket: Bucket = bucket, skipped: bool = skipped) -> object:
                     if skipped:
                         return self.ps.skip_pieces(bucket.pieces, self.worker_id, pushes.step, devices).wait()
-                    grads = self.replicas.host_grads
+                    grads = self.pusher.grads  # the host sum the first try pushed
                     return self.ps.push_pieces(grads, bucket.pieces, self.worker_id, pushes.step, devices).wait()
 
                 self._retrying("push", again)
