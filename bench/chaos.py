@@ -117,6 +117,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=1500)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "chaos.md"))
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy every process's log here, lost job or not")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     load_before = os.getloadavg()
@@ -187,6 +188,8 @@ def main() -> int:
                 os.kill(pid, signal.SIGKILL)
         chaos_s = time.monotonic() - started
         finished = proc.returncode == 0
+        if args.keep_logs:
+            shutil.copytree(out / "logs", Path(args.keep_logs) / "logs", dirs_exist_ok=True)
         if not finished:  # keep what explains it: the launcher's stderr and every process's log
             kept = Path(tempfile.mkdtemp(prefix="pstrain-chaos-lost-"))
             shutil.copytree(out / "logs", kept / "logs", dirs_exist_ok=True)

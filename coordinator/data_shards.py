@@ -29,6 +29,8 @@ consumed, ``samples_per_step`` a step it contributed to, in dispatch order (``wo
 ``_rewind`` gives back what a worker did not consume before a step (a slot repositioned, dropped), and
 ``state_at(t)`` is the tracker as it stood at step ``t``: what a committed checkpoint records, so a
 rollback to ``t`` continues the same data assignment (``restore``) and every sample is trained once.
+A committed step is never asked for again: ``fold`` then drops what the streams consumed before it, so
+they stay as short as the data shards still in play, however long the job runs.
 
 A restarted coordinator rebuilds the tracker from its journal (``coordinator/journal.py``): the
 state at the last compaction (``snapshot``/``restore``) and then the same calls again, which are
@@ -90,6 +92,7 @@ class DataShardTracker:
         self._adopted: dict[int, int] = {}  # slot -> the live worker that serves it (cluster.min_workers)
         self._streams: dict[int, list[DataShardAssignment]] = {}  # worker -> data shards dispatched since its start
         self._stream_start: dict[int, int] = {}  # worker -> the step its stream began at (default ``_base``)
+        self._skip: dict[int, int] = {}  # worker -> samples at its stream's head consumed before its start (``fold``)
         self._base = 0  # the step this tracker began at (a resume)
         self._settled = 0  # no state before this step can be computed (a stream was folded there)
         self.positional = True  # every slot's position is step * samples_per_step (no slot adopted or released)
@@ -131,6 +134,7 @@ class DataShardTracker:
         with self._lock:
             self._adopted.pop(self._slot(worker_id), None)
             self._streams.pop(worker_id, None)
+            self._skip.pop(worker_id, None)
             self._stream_start[worker_id] = step
             self.positional = False
 
@@ -220,6 +224,7 @@ class DataShardTracker:
                     raise ValueError("a tracker that is not positional needs what the worker consumed")
                 return self._rewind(worker_id, step, consumed)
             self._streams.pop(worker_id, None)
+            self._skip.pop(worker_id, None)
             self._stream_start[worker_id] = step
             self._settled = max(self._settled, step)
             slot = self._slot(worker_id)
@@ -258,7 +263,7 @@ class DataShardTracker:
         """
         stream = self._streams.pop(worker_id, [])
         start = self._stream_start.get(worker_id, self._base)
-        left = consumed(worker_id, start) if start < step else 0
+        left = self._skip.pop(worker_id, 0) + (consumed(worker_id, start) if start < step else 0)
         ids = {d.data_shard_id for d in stream}
         for dsid in [dsid for dsid, (w, _) in self._doing.items() if w == worker_id]:
             del self._doing[dsid]
@@ -289,6 +294,38 @@ class DataShardTracker:
         self._settled = max(self._settled, step)
         return finished
 
+    def fold(self, step: int, consumed: Consumed) -> None:
+        """Forget what the streams consumed before ``step``, a committed checkpoint's: no state before it is asked
+        for again (``_settled``), so a stream keeps only what a later ``_rewind``/``state_at`` can give back and
+        stays bounded however long the job runs (its size, a snapshot's, a commit's cost).
+
+        A stream's head of data shards wholly consumed before ``step`` and no longer held (completed) is dropped and
+        its start moves to ``step``; what it consumed before ``step`` of the data shards it keeps is ``_skip``.
+        """
+        with self._lock:
+            if step <= self._settled:
+                return
+            held = set(self._doing) | {d.data_shard_id for queue in self._requeued for d in queue}
+            for worker_id, stream in self._streams.items():
+                start = self._stream_start.get(worker_id, self._base)
+                if start >= step:
+                    continue
+                left = self._skip.get(worker_id, 0) + consumed(worker_id, start)
+                dropped = 0
+                for data_shard in stream:
+                    size = len(data_shard.indices)
+                    if size > left or data_shard.data_shard_id in held:
+                        break
+                    left -= size
+                    dropped += 1
+                del stream[:dropped]
+                self._stream_start[worker_id] = step
+                if left:
+                    self._skip[worker_id] = left
+                else:
+                    self._skip.pop(worker_id, None)
+            self._settled = step
+
     def state_at(self, step: int, consumed: Consumed, workers: tuple[int, ...]) -> dict[str, Any] | None:
         """The tracker as it stood at step ``step`` with ``workers`` training it, as a ``snapshot`` (what a
         checkpoint of ``step`` records); None when a stream was folded past ``step`` (it cannot be told).
@@ -305,7 +342,7 @@ class DataShardTracker:
         with at._lock:
             for worker_id in list(at._streams):
                 at._rewind(worker_id, step, consumed)
-            at._base, at._stream_start, at._last = step, {}, {}
+            at._base, at._stream_start, at._last, at._skip = step, {}, {}, {}
             served = {slot: at._adopted.get(slot, min(workers)) for slot in range(self.slots) if slot not in workers}
             at._adopted = {slot: (w if w in workers else min(workers)) for slot, w in served.items()}
             if at._doing:
@@ -367,6 +404,7 @@ class DataShardTracker:
                 for w, ds in sorted(self._streams.items())
             ],
             "starts": [[w, start] for w, start in sorted(self._stream_start.items())],
+            "skips": [[w, n] for w, n in sorted(self._skip.items())],
             "base": self._base,
             "settled": self._settled,
             "positional": self.positional,
@@ -389,6 +427,7 @@ class DataShardTracker:
             self._adopted = {int(slot): int(worker) for slot, worker in state.get("adopted", [])}
             self._streams = {int(w): [self._unref(r) for r in refs] for w, _, refs in state.get("streams", [])}
             self._stream_start = {int(w): int(start) for w, start in state.get("starts", [])}
+            self._skip = {int(w): int(n) for w, n in state.get("skips", [])}
             self._base = int(state.get("base", 0))
             self._settled = int(state.get("settled", 0))
             self.positional = bool(state.get("positional", True))

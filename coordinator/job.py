@@ -206,7 +206,8 @@ class Job:
         self._reachable = reachable  # whether a worker's address still answers (a newcomer finds the slots full)
         self.min_workers = plan.workers if min_workers is None else min_workers  # cluster.min_workers (issue 11)
         self._joining: dict[int, int] = {}  # a worker that took a dropped slot back -> the step it starts at
-        self._holding = False  # step reports are answered after the PS shards heard of a returning worker
+        self._holding = 0  # returns whose PS change is in flight: step reports are answered once the shards know
+        self._reshaping = False  # _drop is telling the PS shards a smaller set: no worker takes a slot back meanwhile
         self._set_ps_workers = set_ps_workers  # tells every PS shard the contributors from a step on
         self.replacements = 0  # workers replaced in place (S2.5)
         self._incarnations: dict[tuple[str, int], int] = dict(recovery.incarnations) if recovery is not None else {}
@@ -277,6 +278,10 @@ class Job:
             raise JournalUnusable(f"replaying the journal failed: {exc}") from exc
         if self._checkpoints is not None:
             self._commit(self.ledger.completed)  # the coordinator died between the last confirmation and the commit
+        for worker_id in sorted(self._joining):  # a return in progress: the shards may not have heard (idempotent)
+            with self._cond:
+                self._holding += 1
+            self._grow(worker_id)
         log.warning(
             "recovered job %s from its journal at step %d (checkpoint %d): %d members may reattach within %.0fs",
             self.job_id,
@@ -292,6 +297,7 @@ class Job:
             self.replacements = recovery.replacements
             if recovery.worker_sets:
                 self.ledger.restore_worker_sets(recovery.worker_sets)
+            self._joining = dict(recovery.joining)
             if recovery.tracker is not None:
                 self.data_shards.restore(recovery.tracker)
             elif recovery.start_step and self.data_shards.pristine:  # else restored from the checkpoint already
@@ -327,14 +333,20 @@ class Job:
         elif kind == "workers_changed":
             start = int(op["from_step"])  # type: ignore[call-overload]
             self.ledger.note_workers(start, list(op["ids"]))  # type: ignore[call-overload]
+            for later, ids in op.get("later", []):  # type: ignore[attr-defined]
+                self.ledger.note_workers(int(later), list(ids))  # a return pending past the drop, without it
             if op.get("joined"):
                 self.data_shards.release(worker, start)
+                self._joining[worker] = start  # its first step; a restarted coordinator tells the shards again
             else:
+                self._joining.pop(worker, None)
                 adopter = int(op["adopter"])  # type: ignore[call-overload]
                 self.data_shards.adopt(worker, start, self._samples_per_worker, adopter, self._consumed(start))
         elif kind == "worker_rejoined":
             step = int(op["step"])  # type: ignore[call-overload]
             self.data_shards.reposition(worker, step, self._samples_per_worker, self._consumed(step))
+        elif kind == "worker_returned":
+            self._joining.pop(worker, None)
 
     def _consumed(self, step: int) -> Callable[[int, int], int]:
         """(worker, the step its data stream began at) -> the samples it consumed before ``step``: a worker's
@@ -348,13 +360,19 @@ class Job:
 
     def _resume_state(self, step: int) -> dict[str, Any] | None:
         """What checkpoint ``step``'s manifest records beyond the step: its workers and, once a slot's data
-        moved (``cluster.min_workers``), the tracker's state there; None while it cannot be told."""
+        moved (``cluster.min_workers``), the tracker's state there; None while it cannot be told.
+
+        A positional tracker is positioned from the step alone: no state is computed. The step is committed
+        then, so the tracker's streams forget what was consumed before it (``fold``): a commit's cost and the
+        tracker's size stay bounded however long the job runs."""
         with self._cond:
             workers = self.ledger.workers_at(step)
-            tracker = self.data_shards.state_at(step, self._consumed(step), workers)
+            consumed = self._consumed(step)
+            tracker = None if self.data_shards.positional else self.data_shards.state_at(step, consumed, workers)
             if tracker is None and not self.data_shards.positional:
                 return None
-            return {"worker_ids": list(workers), "tracker": tracker if not self.data_shards.positional else None}
+            self.data_shards.fold(step, consumed)
+            return {"worker_ids": list(workers), "tracker": tracker}
 
     def _reattached(self, role: str, member_id: int) -> None:
         """A member of a recovered job was heard from (the lock held); the last one ends the recovery."""
@@ -377,6 +395,7 @@ class Job:
             "reports": [asdict(r) for r in self.ledger.pending_reports()],
             "replacements": self.replacements,
             "worker_sets": self.ledger.worker_sets(),
+            "joining": [[worker, step] for worker, step in sorted(self._joining.items())],
             "confirmations": [
                 [shard_id, step]
                 for step, shards in sorted(self._confirmations.items())
@@ -903,7 +922,14 @@ class Job:
         return self.plan if workers == self.plan.workers else replace(self.plan, workers=workers)
 
     def _check_may_grow(self) -> None:
-        """NoFreeSlot unless a worker may take a dropped slot back now (the lock held)."""
+        """NoFreeSlot unless a worker may take a dropped slot back now (the lock held); WrongState (the
+        member's join retries it) while that may change soon: a drop telling the PS shards, or a job resumed
+        with a dropped slot that waits for its members."""
+        if self._set_ps_workers is not None and self.membership.dropped_slots():
+            if self._reshaping or self._holding:  # one change at a time: each sends the ledger's set it read
+                raise WrongState(f"job {self.job_id} is changing its worker set; retry")
+            if self.state == JobState.WAITING:
+                raise WrongState(f"job {self.job_id} waits for its members before a dropped slot is taken back; retry")
         if self.state != JobState.RUNNING or self._set_ps_workers is None or not self.membership.dropped_slots():
             raise NoFreeSlot(f"all {self.plan.workers} worker slots of job {self.job_id} are taken")
         if self.membership.vacant_slots():
@@ -917,7 +943,7 @@ class Job:
         start = self.ledger.completed + GROW_AHEAD_STEPS
         live = sorted(wid for wid, _ in self.membership.occupied_workers())
         self._joining[worker_id] = start
-        self._holding = True  # until _grow has told every PS shard
+        self._holding += 1  # until _grow has told every PS shard
         self.ledger.set_workers(start, live)
         self.data_shards.release(worker_id, start)
         plan = self._plan_at(start)
@@ -959,7 +985,7 @@ class Job:
             self.fail(f"could not take worker {worker_id} back at step {start}: {exc}")
         finally:
             with self._cond:
-                self._holding = False
+                self._holding -= 1
                 self._cond.notify_all()
 
     def _hold_reports(self) -> None:
@@ -987,29 +1013,65 @@ class Job:
     def _drop(self, worker_id: int) -> None:
         """Go on without failed ``worker_id`` from the step it did not report (``cluster.min_workers``).
 
-        Every PS shard is told the live workers and their LR from that step ``F`` on; a shard keeps the
-        failed worker's contribution to ``F`` if it arrived. If every piece kept it, ``F`` had the worker
-        (its report is stood in) and the change counts from ``F + 1``; otherwise from ``F`` and its samples
-        of ``F`` are trained again (the pieces it had pushed took them once already). The slot is positioned
-        there and a live worker adopts its data, so every data shard is still dispatched once.
+        Every PS shard is told the workers of that step ``F`` less this one (a slot still waiting for its
+        replacement stays in) and their LR from ``F`` on, then every later change (a worker's return pending
+        at a later step), less this one, in step order; a shard keeps the failed worker's contribution to
+        ``F`` if it arrived. If every piece kept it, ``F`` had the worker (its report is stood in) and the
+        change counts from ``F + 1``; if no piece did, from ``F``; if some did and some not, the model would
+        mix, so the job rolls back. The slot is positioned there and a live worker adopts its data, so every
+        data shard is still dispatched once. No worker takes a slot back meanwhile (``_reshaping``), and a
+        drop waits (the next liveness check) while a return's change is in flight.
         """
         with self._cond:
             member = self.membership.worker(worker_id)
             if self.state != JobState.RUNNING or not member.failed or member.dropped:
                 return
-            member.dropped = True  # no replacement is waited for from here on
+            if self._reshaping or self._holding:
+                return  # the next liveness check drops it
             first = self.ledger.first_unreported(worker_id)
-            live = sorted(wid for wid, _ in self.membership.occupied_workers())
-            lr = replace(self.plan, workers=len(live)).scaled_lr
+            live = [w for w in self.ledger.workers_at(first) if w != worker_id]
+            if not live:  # the only live worker is back in a dropped slot from a later step
+                self.fail(f"no replacement for failed worker {worker_id} and no other worker trains step {first}")
+                return
+            member.dropped = True  # no replacement is waited for from here on
+            self._reshaping = True
+            self._joining.pop(worker_id, None)  # a worker back in a dropped slot failed before it began
+            later = [
+                (int(step), [int(w) for w in ids if w != worker_id])
+                for step, ids in self.ledger.worker_sets()
+                if step > first
+            ]
+            changes = [(first, live), *later]
+            lrs = [replace(self.plan, workers=len(ids)).scaled_lr for _, ids in changes]
             addresses = self.membership.ps_addresses()
-        assert self._set_ps_workers is not None
         try:
-            kept = self._set_ps_workers(addresses, first, live, lr)
+            self._shrink(worker_id, first, changes, lrs, addresses)
+        finally:
+            with self._cond:
+                self._reshaping = False
+                self._cond.notify_all()
+
+    def _shrink(
+        self, worker_id: int, first: int, changes: list[tuple[int, list[int]]], lrs: list[float], addresses: list[str]
+    ) -> None:
+        """``_drop``'s PS changes (outside the lock) and the ledger's, the data's and the journal's after them."""
+        assert self._set_ps_workers is not None
+        live = changes[0][1]
+        try:
+            kept = self._set_ps_workers(addresses, first, live, lrs[0])
+            for (step, ids), lr in zip(changes[1:], lrs[1:], strict=True):
+                self._set_ps_workers(addresses, step, ids, lr)
         except Exception as exc:  # noqa: BLE001 - any failure to tell a shard leaves the shards disagreeing
             log.exception("telling the PS shards to go on without worker %d failed", worker_id)
             self.fail(f"could not drop failed worker {worker_id}: {exc}")
             return
         every, some = all(k[0] for k in kept), any(k[1] for k in kept)
+        if some and not every:
+            self.fail(
+                f"failed worker {worker_id} had pushed part of step {first} before it died: some pieces have its "
+                f"gradient and others not, so the model cannot go on without it; rolling back"
+            )
+            return
         with self._cond:
             if self.state != JobState.RUNNING:
                 return
@@ -1018,16 +1080,15 @@ class Job:
                 stand_in = self.ledger.stand_in_report(worker_id, first, self._samples_per_worker)
                 self._journal("report", False, report=asdict(stand_in))
                 self._after_record(self.ledger.add(stand_in))
-            elif some:
-                log.warning(
-                    "worker %d had pushed part of step %d before it died: those pieces keep its gradient, "
-                    "its samples of the step are trained again",
-                    worker_id,
-                    first,
-                )
-            adopter = min(live)
+            occupied = {wid for wid, _ in self.membership.occupied_workers()}
+            adopter = min((w for w in live if w in occupied), default=min(live))  # not a slot awaiting its replacement
             done = self.data_shards.adopt(worker_id, start, self._samples_per_worker, adopter, self._consumed(start))
-            record = self.ledger.set_workers(start, live)
+            pending = [(step, ids) for step, ids in changes[1:] if step >= start]  # at start: a return wins
+            self.ledger.note_workers(start, live)
+            for step, ids in pending:
+                self.ledger.note_workers(step, ids)
+            last_step, last_ids = pending[-1] if pending else (start, live)
+            record = self.ledger.set_workers(last_step, last_ids)  # completes a step they all reported
             plan = self._plan_at(start)
             self._journal(
                 "workers_changed",
@@ -1035,6 +1096,7 @@ class Job:
                 ids=live,
                 worker=worker_id,  # the one dropped
                 adopter=adopter,
+                later=[[step, ids] for step, ids in pending],
                 global_batch=plan.global_batch,
                 scaled_lr=plan.scaled_lr,
                 data_shards_done=done,
@@ -1111,7 +1173,7 @@ class Job:
                 steps=self.plan.steps,
                 per_device_batch=self.plan.per_device_batch,
                 global_batch=self._plan_at(step).global_batch,
-                lr=self.plan.lr_at(min(step, self.plan.steps - 1)),
+                lr=self._plan_at(step).lr_at(min(step, self.plan.steps - 1)),
                 global_lr=self._plan_at(step).scaled_lr,
                 members=self.membership.views(),
                 data_shards=counts,

@@ -45,6 +45,7 @@ TRACKER_EVENTS = (
     "worker_failed",
     "worker_rejoined",
     "workers_changed",  # cluster.min_workers: a slot dropped (its data adopted) and the step ledger's workers
+    "worker_returned",  # a worker that took a dropped slot back trains in it: its return is no longer pending
 )
 """Events that changed the data-shard tracker, replayed in order on top of the snapshot's state."""
 
@@ -136,6 +137,7 @@ class Recovery:
     reports: list[dict[str, Any]] = field(default_factory=list)  # step reports of steps not recorded, in order
     worker_sets: list[list[Any]] = field(default_factory=list)  # the snapshot's [from step, worker ids] changes
     confirmations: list[tuple[int, int]] = field(default_factory=list)  # (shard, step) confirmed, not committed
+    joining: dict[int, int] = field(default_factory=dict)  # the snapshot's returns in progress: worker -> first step
 
 
 def recovery(path: Path) -> Recovery:
@@ -155,6 +157,7 @@ def recovery(path: Path) -> Recovery:
     reports: list[dict[str, Any]] = []
     worker_sets: list[list[Any]] = []
     confirmations: list[tuple[int, int]] = []
+    joining: dict[int, int] = {}
     completed = replacements = 0
     for event in events:
         kind = event["event"]
@@ -169,6 +172,7 @@ def recovery(path: Path) -> Recovery:
             reports, ops, replacements = list(event["reports"]), [], event["replacements"]
             worker_sets = list(event.get("worker_sets", []))
             confirmations = [(shard, step) for shard, step in event.get("confirmations", [])]
+            joining = {int(worker): int(step) for worker, step in event.get("joining", [])}
         elif kind == "members":
             members = event["members"]
         elif kind == "credential":
@@ -202,4 +206,5 @@ def recovery(path: Path) -> Recovery:
         reports=[r for r in reports if r["step"] >= completed],
         worker_sets=worker_sets,
         confirmations=confirmations,
+        joining=joining,
     )

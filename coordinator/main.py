@@ -187,8 +187,8 @@ def _build_job(
         ledger = CheckpointLedger(directory, template, cfg.checkpoint.keep)
     tracker = DataShardTracker(dataset_size, cfg.data.shard_size, cfg.data.shuffle, cfg.job.seed, slots=plan.workers)
     start_step = resume.step if resume is not None else 0
-    if resume is not None and resume.tracker is not None:  # slots were dropped or taken back before it
-        tracker.restore(resume.tracker)
+    if resume is not None and resume.tracker is not None and (taken_back is None or taken_back.tracker is None):
+        tracker.restore(resume.tracker)  # slots were dropped or taken back before it (a journal's snapshot wins)
     elif start_step and taken_back is None:  # a job taken back positions its tracker from the journal
         tracker.resume(start_step, plan.per_device_batch * plan.devices_per_worker)
     if start_step and taken_back is None:

@@ -294,7 +294,10 @@ class PiecedShard:
 
     def set_workers(self, from_version: int, ids: Sequence[int], scaled_lr: float) -> tuple[bool, bool]:
         """``ParameterShard.set_workers`` on every piece (``cluster.min_workers``); returns (every piece, some
-        piece) kept a removed worker's contribution to step ``from_version`` (it pushed some pieces before it died)."""
+        piece) kept a removed worker's contribution to step ``from_version`` (it pushed some pieces before it died).
+        Every piece is asked first (``check_workers``): one that refuses leaves every piece as it was."""
+        for p in self.pieces:
+            p.check_workers(from_version, ids, scaled_lr)
         included = [p.set_workers(from_version, tuple(ids), scaled_lr) for p in self.pieces]
         log.info(
             "shard %d: workers %s contribute from step %d on (lr %g)", self.shard_id, list(ids), from_version, scaled_lr

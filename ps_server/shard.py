@@ -19,7 +19,8 @@ leaves the shard exactly as it was.
 The contributors (``cluster.min_workers``): worker ids ``0..workers-1`` at first; ``set_workers(from_version,
 ids, scaled_lr)`` changes who contributes to step ``from_version`` on, and the learning rate with them (S1.6).
 Removing a worker applies to the step in flight at once: a contribution of it that arrived is kept (it is
-in the step), the step no longer waits for one that did not. Adding one must come before its step
+in the step, which then keeps its LR: the new one applies from the next step), the step no longer waits for
+one that did not. Adding one must come before its step
 collects any push. A push from a worker not among the step's contributors is refused (StepConflict)
 and changes nothing.
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,7 @@ class ParameterShard:
         self._contributors: tuple[int, ...] = tuple(range(workers))  # who contributes to the next steps
         self._order: tuple[int, ...] = self._contributors  # the current step's contributors, summed in this order
         self._changes: dict[int, tuple[tuple[int, ...], float]] = {}  # from_version -> (ids, scaled_lr), not yet due
+        self._deferred: int | None = None  # the version of a change ``set_workers`` put off by a step (a kept push)
         self._summed = 0  # workers _order[:_summed] are in the accumulator (or skipped)
         self._has_sum = False  # the accumulator holds this step's first contribution already
         self._skip_step = False
@@ -286,12 +288,12 @@ class ParameterShard:
         before the change: kept). A change for a later version waits for it; a removal may come late
         (the step in flight stops waiting for the removed worker); an addition must come before its
         step collects any push, else StepConflict and nothing changes.
+
+        Removing a worker whose push is in the step in flight finishes that step with the LR it began with
+        (a piece that finished it before the change did too); the new LR applies from the next step. Changes
+        scheduled for later steps (a worker's return) stand, less the workers removed.
         """
-        wanted = tuple(sorted(set(ids)))
-        if not wanted or not all(0 <= i < self.workers for i in wanted):
-            raise InvalidArgument(f"contributors must be a non-empty subset of 0..{self.workers - 1}, got {list(ids)}")
-        if not scaled_lr > 0:
-            raise InvalidArgument(f"the learning rate must be positive, got {scaled_lr}")
+        wanted = self.check_workers(from_version, ids, scaled_lr)
         started = time.perf_counter()
         with self._cond:
             self._check_open()
@@ -299,23 +301,57 @@ class ParameterShard:
             included = any(self._last_step.get(w) == from_version for w in removed)
             if from_version > self._version:
                 self._changes[from_version] = (wanted, scaled_lr)
+                if from_version == self._deferred:
+                    self._deferred = None
                 return included
-            added = set(wanted) - set(self._order)
-            if added and (from_version < self._version or self._pending):
-                raise StepConflict(
-                    f"too late to add workers {sorted(added)} from step {from_version}: shard {self.shard_id} "
-                    f"{'is at step ' + str(self._version) if from_version < self._version else 'collects that step'}"
-                )
-            self._changes = {v: c for v, c in self._changes.items() if v < from_version}
-            self._enter(wanted, scaled_lr)
+            self._check_addition(from_version, wanted)
+            if self._deferred is not None:  # this change supersedes the one deferred by an earlier call
+                self._changes.pop(self._deferred, None)
+                self._deferred = None
+            # Changes already scheduled for later steps (a return) stand, less the workers removed now.
+            later = {v: (tuple(i for i in c if i not in removed), lr) for v, (c, lr) in self._changes.items()}
+            self._changes = {v: c for v, c in later.items() if v > from_version and c[0]}
+            if included and from_version == self._version:
+                # A removed worker's push is in the step in flight: the step is finished with the LR it began
+                # with (as a piece that finished it already did); the new LR applies from the next step.
+                self._enter(wanted, None)
+                if self._version + 1 not in self._changes:
+                    self._changes[self._version + 1] = (wanted, scaled_lr)
+                    self._deferred = self._version + 1
+            else:
+                self._enter(wanted, scaled_lr)
             if not self._pending or len(self._pending) < len(self._order):
                 return included
             result, snapshot = self._finish_step()
         self._hand_over(snapshot, started, result.update_s)
         return included
 
-    def _enter(self, ids: tuple[int, ...], scaled_lr: float) -> None:
-        """New contributors from the step in flight on (the lock held); contributions it has are kept."""
+    def check_workers(self, from_version: int, ids: Sequence[int], scaled_lr: float) -> tuple[int, ...]:
+        """Raise what ``set_workers`` would refuse, changing nothing (``PiecedShard`` asks every piece first);
+        returns the contributors, sorted."""
+        wanted = tuple(sorted(set(ids)))
+        if not wanted or not all(0 <= i < self.workers for i in wanted):
+            raise InvalidArgument(f"contributors must be a non-empty subset of 0..{self.workers - 1}, got {list(ids)}")
+        if not scaled_lr > 0:
+            raise InvalidArgument(f"the learning rate must be positive, got {scaled_lr}")
+        with self._cond:
+            self._check_open()
+            if from_version <= self._version:
+                self._check_addition(from_version, wanted)
+        return wanted
+
+    def _check_addition(self, from_version: int, wanted: tuple[int, ...]) -> None:
+        """An addition from a step at or before the one in flight must come before it collects a push (lock held)."""
+        added = set(wanted) - set(self._order)
+        if added and (from_version < self._version or self._pending):
+            raise StepConflict(
+                f"too late to add workers {sorted(added)} from step {from_version}: shard {self.shard_id} "
+                f"{'is at step ' + str(self._version) if from_version < self._version else 'collects that step'}"
+            )
+
+    def _enter(self, ids: tuple[int, ...], scaled_lr: float | None) -> None:
+        """New contributors from the step in flight on (the lock held); contributions it has are kept.
+        ``scaled_lr`` None keeps the LR."""
         self._contributors = ids
         self._order = tuple(sorted(set(ids) | set(self._pending)))
         self._summed = 0
@@ -324,10 +360,11 @@ class ParameterShard:
                 break
             self._summed += 1
         self._sum_in_order()
-        schedule = pb.LrSchedule()
-        schedule.CopyFrom(self._schedule)
-        schedule.scaled_lr = scaled_lr
-        self._schedule = schedule
+        if scaled_lr is not None:
+            schedule = pb.LrSchedule()
+            schedule.CopyFrom(self._schedule)
+            schedule.scaled_lr = scaled_lr
+            self._schedule = schedule
         log.debug(
             "shard %d [%d, %d): workers %s contribute from step %d on (lr %g)",
             self.shard_id,
@@ -335,7 +372,7 @@ class ParameterShard:
             self.end,
             list(ids),
             self._version,
-            scaled_lr,
+            self._schedule.scaled_lr,
         )
 
     @property

@@ -14,7 +14,7 @@ import torch
 
 from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.data_shards import DataShardTracker
-from pstrain.coordinator.errors import ConfigError, NoFreeSlot
+from pstrain.coordinator.errors import ConfigError, NoFreeSlot, WrongState
 from pstrain.coordinator.job import GROW_AHEAD_STEPS, Job, JobState
 from pstrain.coordinator.journal import JOURNAL_NAME, read_journal, recovery
 from pstrain.coordinator.ledger import StepReport
@@ -77,9 +77,9 @@ def test_a_contribution_that_arrived_before_the_drop_is_kept_and_summed_in_order
     shard.push(1, 0, grad(2), 1)
     assert shard.set_workers(0, [0, 2], 0.2) is True  # worker 1 pushed step 0 before it was dropped
     assert shard.version == 0
-    shard.push(0, 0, grad(1), 1)  # completes step 0 with 0, 1, 2: mean 2 at the new lr
+    shard.push(0, 0, grad(1), 1)  # completes step 0 with 0, 1, 2: mean 2 at the LR it began with (0.3)
     assert shard.version == 1
-    assert torch.allclose(shard.parameters()[1], torch.full((4,), -0.4))
+    assert torch.allclose(shard.parameters()[1], torch.full((4,), -0.6))
     shard.push(0, 1, grad(1), 1)
     assert shard.push(2, 1, grad(1), 1).completed  # step 1 has workers 0 and 2 only
 
@@ -171,7 +171,7 @@ class RealShards:
         return [(kept, kept) for kept in (s.set_workers(from_step, ids, scaled_lr) for s in self.shards)]
 
 
-def make_job(tmp_path, min_workers, recovered=None, shards=None, steps=6):
+def make_job(tmp_path, min_workers, recovered=None, shards=None, steps=6, resume_workers=None):
     cfg = parse_config({**RAW, "job": {"steps": steps, "seed": 0}})
     plan = make_plan(cfg)
     model = ModelState(cfg)
@@ -193,6 +193,7 @@ def make_job(tmp_path, min_workers, recovered=None, shards=None, steps=6):
         min_workers=min_workers,
         set_ps_workers=shards,
         recovery=recovered,
+        resume_workers=resume_workers,
     )
     return job, clock, shards
 
@@ -365,6 +366,181 @@ def test_step_reports_are_answered_only_once_the_shards_know_of_the_returning_wo
     joiner.join(30)
     reporter.join(30)
     assert shards.calls[-1][1:3] == (2 + GROW_AHEAD_STEPS, [0, 1, 2])
+
+
+def heartbeat_all(job, workers):
+    for i in range(2):
+        job.heartbeat("ps", i)
+    for w in workers:
+        job.heartbeat("worker", w)
+
+
+def drop_both_1_and_2(job, clock):
+    """Workers 1 and 2 fall silent after step 0 (worker 2 reported step 1); both slots are dropped."""
+    train_step(job, [0, 1, 2], 0)
+    train_step(job, [0, 2], 1)
+    clock.now += 31
+    heartbeat_all(job, [0])
+    job.check_liveness()
+    assert job.membership.vacant_slots() == [1, 2]
+    clock.now += 6
+    heartbeat_all(job, [0])
+    job.check_liveness()
+
+
+def test_a_drop_keeps_another_slot_that_waits_for_its_replacement_and_drops_it_in_turn(tmp_path):
+    job, clock, shards = make_job(tmp_path, min_workers=1)
+    start(job)
+    drop_both_1_and_2(job, clock)
+    assert job.state == JobState.RUNNING
+    # Worker 1 first: slot 2 still waited for its replacement, it stays in the set (its data its own).
+    assert [call[1:3] for call in shards.calls] == [(1, [0, 2]), (2, [0])]
+    assert job.ledger.workers_at(1) == (0, 2) and job.ledger.workers_at(2) == (0,)
+    assert job.membership.dropped_slots() == [1, 2]
+    changed = [e for e in read_journal(tmp_path / JOURNAL_NAME) if e["event"] == "workers_changed"]
+    assert [(e["worker"], e["from_step"], e["ids"], e["adopter"]) for e in changed] == [
+        (1, 1, [0, 2], 0),
+        (2, 2, [0], 0),
+    ]
+    for step in range(2, 6):
+        train_step(job, [0], step)
+    assert job.wait_over(10) and job.state == JobState.FINISHED
+    completed = job.data_shards.completed_ids()
+    assert len(completed) == len(set(completed)) == 3 + 2 + 4
+
+
+def test_a_drop_leaves_out_a_worker_back_from_a_later_step_until_that_step(tmp_path):
+    job, clock, shards = make_job(tmp_path, min_workers=1, steps=20)
+    start(job)
+    fail_worker_1(job, clock)
+    train_step(job, [0, 2], 2)
+    assert job.register_worker("10.0.0.5:7000", [], "new-host") == 1
+    back = 3 + GROW_AHEAD_STEPS
+    clock.now += 31  # worker 2 falls silent before worker 1 is back
+    heartbeat_all(job, [0, 1])
+    job.check_liveness()
+    clock.now += 6
+    heartbeat_all(job, [0, 1])
+    job.check_liveness()
+    assert job.state == JobState.RUNNING
+    assert [call[1:] for call in shards.calls[-2:]] == [
+        (3, [0], pytest.approx(0.1)),
+        (back, [0, 1], pytest.approx(0.2)),
+    ]
+    assert all(s._changes[back][0] == (0, 1) for s in shards.shards)
+    assert [job.ledger.workers_at(step) for step in (2, 3, back - 1, back)] == [(0, 2), (0,), (0,), (0, 1)]
+    assert not job.rejoin_at(1, back).stop
+    for step in range(3, back):
+        train_step(job, [0], step)
+    for step in range(back, 20):
+        train_step(job, [0, 1], step)
+    assert job.wait_over(10) and job.state == JobState.FINISHED
+    assert [r.workers for r in job.records] == [3, 2, 2] + [1] * (back - 3) + [2] * (20 - back)
+    completed = job.data_shards.completed_ids()
+    assert len(completed) == len(set(completed))
+
+
+def gated(shards):
+    """``set_ps_workers`` whose first call waits for ``release`` (``entered`` says it is in flight)."""
+    entered, release = threading.Event(), threading.Event()
+    first = []
+
+    def slow(addresses, from_step, ids, scaled_lr):
+        if not first:
+            first.append(True)
+            entered.set()
+            assert release.wait(30)
+        return shards(addresses, from_step, ids, scaled_lr)
+
+    return slow, entered, release
+
+
+def test_no_worker_takes_a_slot_back_while_a_drop_tells_the_shards(tmp_path):
+    job, clock, shards = make_job(tmp_path, min_workers=2, steps=20)
+    start(job)
+    slow, entered, release = gated(shards)
+    job._set_ps_workers = slow
+    dropper = threading.Thread(target=fail_worker_1, args=(job, clock))
+    dropper.start()
+    assert entered.wait(30)
+    with pytest.raises(WrongState, match="changing its worker set"):  # retried by the member's join
+        job.register_worker("10.0.0.5:7000", [], "new-host")
+    release.set()
+    dropper.join(30)
+    assert job.ledger.workers_at(1) == (0, 2) and job.ledger.completed == 2
+    assert job.register_worker("10.0.0.5:7000", [], "new-host") == 1  # the retry takes it back
+    assert shards.calls[-1][1:3] == (2 + GROW_AHEAD_STEPS, [0, 1, 2])
+
+
+def test_a_second_return_waits_while_the_first_one_tells_the_shards(tmp_path):
+    job, clock, shards = make_job(tmp_path, min_workers=1, steps=20)
+    start(job)
+    drop_both_1_and_2(job, clock)
+    slow, entered, release = gated(shards)
+    job._set_ps_workers = slow
+    first = threading.Thread(target=job.register_worker, args=("10.0.0.5:7000", [], "new-host"))
+    first.start()
+    assert entered.wait(30)
+    with pytest.raises(WrongState, match="changing its worker set"):
+        job.register_worker("10.0.0.6:7000", [], "another-host")
+    answered = threading.Event()
+    reporter = threading.Thread(target=lambda: (train_step(job, [0], 2), answered.set()))
+    reporter.start()
+    assert not answered.wait(0.5)  # held until the shards know of the first return
+    release.set()
+    assert answered.wait(30)
+    first.join(30)
+    reporter.join(30)
+    assert job.register_worker("10.0.0.6:7000", [], "another-host") == 2
+    assert job._holding == 0 and job.ledger.workers_at(3 + GROW_AHEAD_STEPS) == (0, 1, 2)
+
+
+def test_a_worker_dropped_after_pushing_part_of_a_step_rolls_the_job_back(tmp_path):
+    job, clock, shards = make_job(tmp_path, min_workers=2)
+    shards.shards[0].push(1, 1, grad(1), 1)  # worker 1 pushed step 1 to one shard only, then died
+    start(job)
+    fail_worker_1(job, clock)
+    assert job.state == JobState.FAILED and job.failure_retryable
+    assert "pushed part of step 1" in job.message
+    assert not [e for e in read_journal(tmp_path / JOURNAL_NAME) if e["event"] == "workers_changed"]
+
+
+def test_a_return_in_progress_survives_a_coordinator_restart(tmp_path):
+    job, clock, shards = make_job(tmp_path, min_workers=2, steps=20)
+    start(job)
+    fail_worker_1(job, clock)
+    train_step(job, [0, 2], 2)
+    assert job.register_worker("10.0.0.5:7000", [], "new-host") == 1
+    back = 3 + GROW_AHEAD_STEPS
+    job.close()
+    fresh = RealShards(job.spec)  # shards that may not have heard of the return: told again at recovery
+    again, _, _ = make_job(tmp_path, min_workers=2, steps=20, recovered=recovery(tmp_path / JOURNAL_NAME), shards=fresh)
+    assert [call[1:3] for call in fresh.calls] == [(back, [0, 1, 2])]
+    assert again.worker_slot(1).start_step == back and again._holding == 0
+    again.close()  # twice: the recovery compacted the journal, the snapshot keeps the return
+    third, _, _ = make_job(tmp_path, min_workers=2, steps=20, recovered=recovery(tmp_path / JOURNAL_NAME), shards=fresh)
+    assert third.worker_slot(1).start_step == back
+    assert not third.rejoin_at(1, back).stop and third.state == JobState.RUNNING
+    third.close()  # it trains in its slot: no return is pending any more
+    fourth, _, _ = make_job(
+        tmp_path, min_workers=2, steps=20, recovered=recovery(tmp_path / JOURNAL_NAME), shards=fresh
+    )
+    assert fourth._joining == {} and len(fresh.calls) == 2
+
+
+def test_a_resumed_job_waiting_for_its_members_asks_an_extra_worker_to_retry(tmp_path):
+    job, _, _ = make_job(tmp_path, min_workers=2, steps=20, resume_workers=[0, 2])
+    assert [job.register_worker(f"127.0.0.1:{6000 + i}", [], f"h{i}") for i in (0, 2)] == [0, 2]
+    assert job.state == JobState.WAITING
+    with pytest.raises(WrongState, match="waits for its members"):  # retried, not NoFreeSlot (the worker exits)
+        job.register_worker("10.0.0.5:7000", [], "new-host")
+
+
+def test_the_status_reports_the_lr_of_the_smaller_set(tmp_path):
+    job, clock, _ = make_job(tmp_path, min_workers=2)
+    start(job)
+    fail_worker_1(job, clock)
+    assert job.status().lr == pytest.approx(0.2) and job.plan.lr_at(2) == pytest.approx(0.3)
 
 
 # ------------------------------------------------------------------ a rollback after a shrink
