@@ -34,6 +34,7 @@ from pstrain.runtime.ps_api import InvalidRequest
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.security import INSECURE, TransportSecurity
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, full_service_name, open_channel
+from tests.helpers import wait_for
 from tests.pki import make_pki
 from tests.test_job import RAW
 from tests.test_shm_path import TOTAL, WORKERS, Cluster, pieces_of, start_cluster
@@ -210,6 +211,8 @@ def test_bad_bulk_pushes_are_refused_and_change_nothing(cluster: Cluster) -> Non
         sock, ticket = open_socket(grant, 0, 0)
         call = push.future(iter((header(0, 0, 0, numel, ticket),)), timeout=10)
         sock.sendall(torch.ones(numel // 2).numpy().tobytes())
+        # The shard reads this push's payload now (a cancel that beat the header would leave the socket idle).
+        wait_for(lambda: ticket in cluster.servicers[0].bulk._busy, 10, "the shard taking the push's socket")
         call.cancel()  # the caller gives up mid-payload: the shard's read ends with the socket
         with pytest.raises(grpc.FutureCancelledError):
             call.result()
