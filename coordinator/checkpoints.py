@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +53,119 @@ class Manifest:
     format: int = FORMAT_VERSION
     worker_ids: list[int] | None = None  # the workers of step ``step``; None: every slot (an older manifest)
     tracker: dict[str, Any] | None = None  # DataShardTracker.state_at(step); None: positioned from the step alone
+    settings: dict[str, Any] | None = None  # resolved_settings of the job file; None: an older manifest
+
+
+# Sections that say how a job is run, kept and watched, not what it trains: a resume may change them.
+_NOT_HASHED = ("security", "eval", "checkpoint", "fault")
+
+
+def _is_section(value: Any) -> bool:
+    return is_dataclass(value) and not isinstance(value, type)
+
+
+def _tables(value: Any) -> bool:
+    """A dict of sections (``embeddings``: table name -> its settings)."""
+    return isinstance(value, dict) and bool(value) and all(_is_section(v) for v in value.values())
+
+
+def explicit_settings(config: Any) -> dict[str, Any]:
+    """The settings of a parsed job file that differ from their defaults, as nested dicts.
+
+    Hashing these rather than the whole normalized config keeps a checkpoint directory valid across
+    a pstrain upgrade that adds a key: a new key's default keeps the old behaviour, so it changes
+    nothing a job trains and must not change the job's identity either.
+    """
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.default is not MISSING:
+            default: Any = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = MISSING
+        if _is_section(value):
+            nested = explicit_settings(value)
+            if nested:
+                out[f.name] = nested
+        elif _tables(value):
+            out[f.name] = {name: explicit_settings(table) for name, table in value.items()}
+        elif value != default:
+            out[f.name] = value
+    return out
+
+
+def resolved_settings(config: Any) -> dict[str, Any]:
+    """Every setting a job trains with, defaults resolved, flat (``optimizer.lr``) and as JSON values.
+
+    A manifest records them, so a resume under a pstrain whose default for a setting changed is refused
+    with the setting named, though the job file (and its hash) are the same.
+    """
+    out: dict[str, Any] = {}
+
+    def walk(section: Any, prefix: str) -> None:
+        for f in fields(section):
+            value, key = getattr(section, f.name), prefix + f.name
+            if _is_section(value):
+                walk(value, f"{key}.")
+            elif _tables(value):
+                for name, table in value.items():
+                    walk(table, f"{key}.{name}.")
+            elif key.split(".")[0] not in _NOT_HASHED and key != "job.steps":
+                out[key] = json.loads(json.dumps(value, default=str))
+
+    walk(config, "")
+    return out
 
 
 def job_hash(config: dict[str, Any]) -> str:
-    """A stable digest of the job file's content, without the keys a resume may change.
+    """A stable digest of a job file's settings (``explicit_settings``), without what a resume may change.
 
-    ``job.steps`` may grow (train longer), and the security and eval sections do not change
-    what is trained.
+    ``job.steps`` may grow (train longer); security, eval, checkpointing and fault handling do not
+    change what is trained.
     """
-    trimmed = {k: v for k, v in config.items() if k not in ("security", "eval")}
+    trimmed = {k: v for k, v in config.items() if k not in _NOT_HASHED}
+    trimmed["job"] = {k: v for k, v in trimmed.get("job", {}).items() if k != "steps"}
+    trimmed = {k: v for k, v in trimmed.items() if v != {}}
+    canonical = json.dumps(trimmed, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def legacy_job_hash(config: Any) -> str:
+    """The digest manifests written before ``explicit_settings`` carry: the whole normalized config without
+    ``security``, ``eval`` and ``job.steps``. Accepted on resume, so their directories stay usable."""
+    trimmed = {k: v for k, v in asdict(config).items() if k not in ("security", "eval")}
     trimmed["job"] = {k: v for k, v in trimmed.get("job", {}).items() if k != "steps"}
     canonical = json.dumps(trimmed, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """What a checkpoint directory must belong to for a job to resume from it (``check``)."""
+
+    digest: str  # job_hash(explicit_settings(cfg)): what new manifests carry
+    settings: dict[str, Any] = field(default_factory=dict)  # resolved_settings(cfg)
+    legacy_digest: str = ""  # legacy_job_hash(cfg)
+
+    @classmethod
+    def of(cls, config: Any) -> JobIdentity:
+        return cls(job_hash(explicit_settings(config)), resolved_settings(config), legacy_job_hash(config))
+
+    def check(self, manifest: Manifest, directory: Path) -> None:
+        """Raise ``CheckpointMismatch`` unless ``manifest`` is of this job file, naming the settings that differ."""
+        recorded = manifest.settings or {}
+        differ = [k for k, v in self.settings.items() if k in recorded and recorded[k] != v]
+        if manifest.job_hash in (self.digest, self.legacy_digest) and not differ:
+            return
+        named = "; ".join(f"{k}: {recorded[k]!r} there, {self.settings[k]!r} now" for k in differ[:5])
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        why = f"settings differ: {named}{more}" if differ else f"hash {manifest.job_hash}, this one {self.digest}"
+        raise CheckpointMismatch(
+            f"{directory} holds checkpoints of another job file ({why}); use another output directory, or --fresh "
+            f"to discard them"
+        )
 
 
 def manifest_path(directory: Path, step: int) -> Path:
@@ -82,7 +183,7 @@ def read_manifest(directory: Path, step: int) -> Manifest:
     return Manifest(**data)
 
 
-def newest_manifest(directory: Path, expected_hash: str) -> Manifest | None:
+def newest_manifest(directory: Path, identity: JobIdentity) -> Manifest | None:
     """The newest committed checkpoint of this job file, None if there is none.
 
     Raises ``CheckpointMismatch`` when the newest one belongs to another job file.
@@ -91,11 +192,7 @@ def newest_manifest(directory: Path, expected_hash: str) -> Manifest | None:
     if not steps:
         return None
     manifest = read_manifest(directory, steps[-1])
-    if manifest.job_hash != expected_hash:
-        raise CheckpointMismatch(
-            f"{directory} holds checkpoints of another job file (hash {manifest.job_hash}, this one "
-            f"{expected_hash}); use another output directory, or --fresh to discard them"
-        )
+    identity.check(manifest, directory)
     return manifest
 
 
@@ -176,7 +273,9 @@ def discard(directory: Path) -> None:
     prune_buffers(directory, [])
 
 
-def resume_point(directory: Path, digest: str, steps: int, fresh: bool, export: Path | None = None) -> Manifest | None:
+def resume_point(
+    directory: Path, identity: JobIdentity, steps: int, fresh: bool, export: Path | None = None
+) -> Manifest | None:
     """The checkpoint to resume from: the newest committed one of this job file before ``steps``.
 
     ``fresh`` discards what is there. A run that reached ``steps`` and wrote its model
@@ -187,7 +286,7 @@ def resume_point(directory: Path, digest: str, steps: int, fresh: bool, export: 
     if fresh:
         discard(directory)
         return None
-    manifest = newest_manifest(directory, digest)
+    manifest = newest_manifest(directory, identity)
     if manifest is None or manifest.step < steps:
         return manifest
     final = manifest_path(directory, manifest.step)

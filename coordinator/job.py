@@ -601,9 +601,10 @@ class Job:
         """A replacement pulled version ``step`` and trains from there: position its slot's data (S2.5).
 
         ``step`` is the held step, or the one after it when the failed worker had pushed the held step
-        everywhere before it died (its push stays counted); then its missing report is stood in for.
-        PS shards at different versions (the failed worker pushed to some only) cannot be mended in
-        place: the cluster rolls back to the last committed checkpoint.
+        everywhere before it died (its push stays counted); then its missing report is stood in for. A
+        push that reached some pieces only is redone by the replacement (``PullAt`` reads the held version
+        there). What the replacement reports ``inconsistent`` (a sparse job's tables, a shard it cannot
+        read) cannot be mended in place: the cluster rolls back to the last committed checkpoint.
         """
         with self._cond:
             member = self.membership.worker(worker_id)

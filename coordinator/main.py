@@ -14,7 +14,6 @@ when it starts a whole cluster), it resumes from the last committed checkpoint a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import threading
@@ -23,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from pstrain.coordinator.checkpoints import CheckpointLedger, CheckpointMismatch, Manifest, job_hash, resume_point
+from pstrain.coordinator.checkpoints import (
+    CheckpointLedger,
+    CheckpointMismatch,
+    JobIdentity,
+    Manifest,
+    resume_point,
+)
 from pstrain.coordinator.config import JobConfig, load_config
 from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import ConfigError
@@ -152,10 +157,11 @@ def _build_job(
     spec = job_spec(cfg, plan, model.layout, job_id, job_plan.layer_policies(), where)
     probe = probe_setup(cfg, job_plan, lambda p, policies: job_spec(cfg, p, model.layout, job_id, policies, where))
     resume, ledger = None, None
+    identity = JobIdentity.of(cfg)
     if directory is not None:
         try:
             model_file = out_dir / "model.pt" if out_dir is not None else None
-            resume = resume_point(directory, job_hash(dataclasses.asdict(cfg)), plan.steps, fresh, model_file)
+            resume = resume_point(directory, identity, plan.steps, fresh, model_file)
         except CheckpointMismatch as exc:
             raise ConfigError(f"checkpoint.dir: {exc}") from exc
         if resume is not None and probe is not None:
@@ -167,7 +173,8 @@ def _build_job(
     if directory is not None:
         template = Manifest(
             step=-1,
-            job_hash=job_hash(dataclasses.asdict(cfg)),
+            job_hash=identity.digest,
+            settings=identity.settings,
             ps_shards=spec.ps_shards,
             total_params=spec.total_params,
             workers=plan.workers,

@@ -251,11 +251,26 @@ class LocalCluster:
     def _replaces_workers(self) -> bool:
         return self.cfg.fault.replace_timeout_s > 0
 
-    def _supervise(self) -> None:
+    def _supervise(self, job_over: bool = False) -> None:
         """Act on the children that died since the last look (``supervise``): restart a worker or the
-        coordinator alone, or raise ``ProcessDied`` for the cluster restart (or the end)."""
+        coordinator alone, or raise ``ProcessDied`` for the cluster restart (or the end).
+
+        ``job_over`` (the coordinator announced that the job finished): a restart could only rejoin a
+        job that is gone (a worker killed while it exited would wait for a coordinator that never comes
+        back), so the dead are let go."""
         dead = [(proc.name, code) for proc in self.processes if (code := proc.popen.poll()) not in (None, 0)]
         if not dead:
+            return
+        if job_over:
+            for proc in [p for p in self.processes if (p.name, p.popen.poll()) in dead]:
+                print(
+                    f"pstrain local: {proc.name} exited with code {proc.popen.poll()} after the job ended; "
+                    f"not restarted",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.processes.remove(proc)
+                proc.log_file.close()
             return
         decision = supervise(
             dead,
@@ -357,12 +372,18 @@ class LocalCluster:
 
         watcher = threading.Thread(target=follow, name="progress", daemon=True)
         watcher.start()
+        over_since = 0.0  # when the job was seen finished and the coordinator gone
         try:
             while True:
-                self._supervise()
+                finished = bool(final) and final[0].state == pb.FINISHED  # a failed job may still be restarted
+                self._supervise(job_over=finished)
                 if all(p.popen.poll() is not None for p in self.processes):
                     watcher.join(timeout=5.0)  # the last events, if the stream still brings them
                     break
+                if finished and any(p.name == "coordinator" and p.popen.poll() == 0 for p in self.processes):
+                    over_since = over_since or time.monotonic()
+                    if time.monotonic() - over_since > self.grace_s:
+                        break  # a member left waiting for the coordinator that is gone: shutdown() stops it
                 watcher.join(timeout=0.2)
         finally:
             bar.close()

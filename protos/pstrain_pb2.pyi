@@ -268,6 +268,14 @@ class PullRequest(_message.Message):
     bulk_numel: int
     def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., piece_start: _Optional[int] = ..., shm_worker: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ..., bulk_numel: _Optional[int] = ...) -> None: ...
 
+class PullAtRequest(_message.Message):
+    __slots__ = ("shard_id", "version")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    version: int
+    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
 class PullReply(_message.Message):
     __slots__ = ("version", "chunk")
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -277,8 +285,10 @@ class PullReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class ShardStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
 
 class SetWorkersRequest(_message.Message):
     __slots__ = ("from_version", "worker_ids", "scaled_lr")
@@ -299,7 +309,7 @@ class SetWorkersReply(_message.Message):
     def __init__(self, included_all: _Optional[bool] = ..., included_any: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "start", "end", "version", "pushes_waiting", "workers_expected", "bytes_held", "optimizer")
+    __slots__ = ("shard_id", "start", "end", "version", "pushes_waiting", "workers_expected", "bytes_held", "optimizer", "worker_step")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +318,7 @@ class ShardStatus(_message.Message):
     WORKERS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STEP_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     start: int
     end: int
@@ -316,7 +327,8 @@ class ShardStatus(_message.Message):
     workers_expected: int
     bytes_held: int
     optimizer: str
-    def __init__(self, shard_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ..., pushes_waiting: _Optional[int] = ..., workers_expected: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer: _Optional[str] = ...) -> None: ...
+    worker_step: int
+    def __init__(self, shard_id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[int] = ..., pushes_waiting: _Optional[int] = ..., workers_expected: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer: _Optional[str] = ..., worker_step: _Optional[int] = ...) -> None: ...
 
 class NormPartial(_message.Message):
     __slots__ = ("param_index", "values")

@@ -117,6 +117,11 @@ class ParameterServerStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
                 _registered_method=True)
+        self.PullAt = channel.unary_stream(
+                '/pstrain.v1.ParameterServer/PullAt',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullAtRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
+                _registered_method=True)
         self.GetShardStatus = channel.unary_unary(
                 '/pstrain.v1.ParameterServer/GetShardStatus',
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ShardStatusRequest.SerializeToString,
@@ -142,6 +147,16 @@ class ParameterServerStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.BulkRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.BulkGrant.FromString,
                 _registered_method=True)
+        self.PushShared = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/PushShared',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushHeader.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.PullShared = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/PullShared',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -155,6 +170,13 @@ class ParameterServerServicer:
 
     def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullAt(self, request, context):
+        """S2.5: exactly one version (the current or the one before)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -192,6 +214,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushShared(self, request, context):
+        """Issue 12: a colocated worker's push (payload in its push region, shm_nonce set) and pull (into its pull
+        region, shm_worker set) as unary calls: header in, header out, no stream and no chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullShared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +239,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.SerializeToString,
+            ),
+            'PullAt': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullAt,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullAtRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.SerializeToString,
             ),
             'GetShardStatus': grpc.unary_unary_rpc_method_handler(
@@ -229,6 +270,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.OpenBulk,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.BulkRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.BulkGrant.SerializeToString,
+            ),
+            'PushShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushShared,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushHeader.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushReply.SerializeToString,
+            ),
+            'PullShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullShared,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -284,6 +335,33 @@ class ParameterServer:
             target,
             '/pstrain.v1.ParameterServer/Pull',
             pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullAt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/PullAt',
+            pstrain_dot_protos_dot_pstrain__pb2.PullAtRequest.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
             options,
             channel_credentials,
@@ -420,6 +498,60 @@ class ParameterServer:
             '/pstrain.v1.ParameterServer/OpenBulk',
             pstrain_dot_protos_dot_pstrain__pb2.BulkRequest.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.BulkGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/PushShared',
+            pstrain_dot_protos_dot_pstrain__pb2.PushHeader.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/PullShared',
+            pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,

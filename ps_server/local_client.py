@@ -154,6 +154,17 @@ class LocalPsClient:
             ]
         return agreed_version(versions)
 
+    def contributed(self, worker_id: int) -> int:
+        with self._call():
+            return min(shard.last_step_of(worker_id) for shard in self._shards)
+
+    def pull_at(self, version: int, out: torch.Tensor) -> None:
+        check_pull_buffer(out, self.total)
+        with self._call(), _translated():
+            for r, shard in zip(self.ranges, self._shards, strict=True):
+                with shard.read_at(version, self._pull_timeout_s) as params:
+                    out[r.start : r.end].copy_(params)
+
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
         """Each piece waits in a thread of its own (a shard's read blocks), so the caller goes on at once."""
         check_pull_buffer(out, self.total)

@@ -151,6 +151,11 @@ class PiecedShard:
     def version(self) -> int:
         return min(p.version for p in self.pieces)
 
+    @property
+    def version_now(self) -> int:
+        """``version`` without the pieces' locks (``ParameterShard.version_now``)."""
+        return min(p.version_now for p in self.pieces)
+
     def piece(self, piece_start: int, numel: int) -> ParameterShard:
         """The piece ``[piece_start, piece_start + numel)``; ``InvalidArgument`` if that is not one of ours."""
         found = self._by_start.get(piece_start)
@@ -232,10 +237,7 @@ class PiecedShard:
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """One piece's ``read``, or the whole shard at one version ``>= min_version`` (see the module doc)."""
         if piece_start is not None:
-            piece = self._by_start.get(piece_start)
-            if piece is None:
-                raise InvalidArgument(f"{piece_start} is not where a piece of shard {self.shard_id} starts")
-            with piece.read(min_version, timeout_s) as lent:
+            with self._piece_at(piece_start).read(min_version, timeout_s) as lent:
                 yield lent
             return
         if len(self.pieces) == 1:
@@ -261,6 +263,26 @@ class PiecedShard:
                     break
                 want = max(versions)  # pieces in mid-step: wait for the laggards to catch up
         yield versions.pop(), joined
+
+    def last_step_of(self, worker_id: int) -> int:
+        """The last step ``worker_id`` contributed to every piece: whether a failed worker's push reached all."""
+        return min(p.last_step_of(worker_id) for p in self.pieces)
+
+    @contextmanager
+    def read_at(self, version: int, timeout_s: float, piece_start: int | None = None) -> Iterator[torch.Tensor]:
+        """One piece, or the whole shard, at exactly ``version`` (``ParameterShard.read_at``): a replacement worker
+        reads the held step's parameters even where its failed predecessor's push already moved a piece on."""
+        pieces = self.pieces if piece_start is None else [self._piece_at(piece_start)]
+        deadline = time.monotonic() + timeout_s
+        with ExitStack() as stack:
+            lent = [stack.enter_context(p.read_at(version, max(0.0, deadline - time.monotonic()))) for p in pieces]
+            yield lent[0] if len(lent) == 1 else torch.cat(lent)
+
+    def _piece_at(self, piece_start: int) -> ParameterShard:
+        piece = self._by_start.get(piece_start)
+        if piece is None:
+            raise InvalidArgument(f"{piece_start} is not where a piece of shard {self.shard_id} starts")
+        return piece
 
     def parameters(self) -> tuple[int, torch.Tensor]:
         """The current parameters and the lowest piece version (for tests and checkpoints)."""

@@ -13,6 +13,8 @@ Served by an asyncio server (``start_server(..., aio=True)``) and registered wit
 * A worker on this host may ask for shared-memory regions (``OpenSharedMemory``, ``ps_server.shm``);
   its pushes then carry only the header (the piece is in its push region) and its pulls are
   answered header-only (the piece is copied into its pull region). Same checks, same errors.
+  A piece's push and pull are then unary calls (``PushShared``, ``PullShared``: no stream, one
+  thread hop per push, no follower thread: ``_Marks``), the cheapest gRPC calls there are.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ PUSHES_STAGED = 8  # pushes receiving at once, each into a shard-sized buffer; t
 FOLLOW_POLL_S = 1.0  # how often the version follower looks whether its server has stopped
 BULK_TIMEOUT_S = 600.0  # a bulk push's transfer, before pstrain-ps sets the job's transport.push_timeout_s
 BULK_IO_THREADS = 16  # bulk payloads moving at once (each a blocking send or receive); more wait their turn
+PULL_AT_THREADS = 2  # replacements reading a held version at once (rare: one per failed worker); more wait
 
 
 class _StagingPool:
@@ -216,6 +219,41 @@ class _Versions:
 _NOTHING = torch.empty(0)  # what a version marker (``encode=False``) holds
 
 
+class _Marks:
+    """When a piece (or the whole shard) reaches a version, as shared-memory and bulk pulls wait for it (issue 12).
+
+    Those pulls need no encoding, so no follower thread either: they wait on the loop for an event the servicer sets
+    after every call that may move the shard on (a push that completed a piece, ``SetWorkers``), and read the
+    version without the shard's lock (``version_now``). A waiting pull also looks every ``FOLLOW_POLL_S``, so a
+    version reached some other way is seen within that time. No thread wakes per version and per piece, and a pull
+    that finds its version already there does not wait at all.
+    """
+
+    def __init__(self, source: ParameterShard | PiecedShard) -> None:
+        self._source = source
+        self._changed = asyncio.Event()
+
+    async def get(self, min_version: int, timeout_s: float) -> None:
+        """Return once the source is at ``min_version`` or newer (``NotReady`` once closed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (version := self._source.version_now) < min_version:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise WaitTimeout(
+                    f"shard {self._source.shard_id} is at version {version}; version {min_version} did not appear "
+                    f"within {timeout_s:.1f}s (are all {self._source.workers} workers pushing?)"
+                )
+            changed = self._changed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, FOLLOW_POLL_S))
+
+    def moved(self) -> None:
+        """The source may be at a newer version (on the loop): the waiting pulls look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
 class ParameterServerServicer:
     def __init__(self) -> None:
         self._shard: PiecedShard | None = None
@@ -227,11 +265,13 @@ class ParameterServerServicer:
         self.gate = ShardGate()  # issue 8: who may push and pull, how many pulls wait (pstrain-ps installs keys)
         self.shared_memory = True  # issue 12: offer colocated workers shared-memory regions (transport.shared_memory)
         self._regions: SharedRegions | None = None
-        self._marks: dict[int | None, _Versions] = {}  # piece start -> version marks for shared-memory pulls
+        self._marks: dict[int | None, _Marks] = {}  # piece start (None: the whole shard) -> shm and bulk pulls' marks
         self.bulk = BulkSockets()  # issue 12: remote workers' payloads on raw sockets (``bulk.enabled = False``: off)
         # Bulk payloads move in threads of their own, never the loop's default executor (the pushes' checks and
         # updates): a slow reader of pulls cannot starve pushes. Each move is bounded by the job's timeouts.
         self._bulk_io = ThreadPoolExecutor(max_workers=BULK_IO_THREADS, thread_name_prefix="bulk-io")
+        # A replacement's PullAt may wait for the live workers' pushes: never in the threads the pushes need.
+        self._pull_at_io = ThreadPoolExecutor(max_workers=PULL_AT_THREADS, thread_name_prefix="pull-at")
         self.push_timeout_s = BULK_TIMEOUT_S  # pstrain-ps: the job's transport.push_timeout_s
 
     def attach(self, shard: ParameterShard | PiecedShard, chunk_bytes: int) -> None:
@@ -322,7 +362,9 @@ class ParameterServerServicer:
             if await anext(request_iterator, None) is not None:
                 raise InvalidArgument("a push that skips its step carries no payload")
             skip = functools.partial(shard.push, skip=True, piece_start=piece)
-            result = await asyncio.to_thread(skip, h.worker_id, h.step, None, h.device_count)
+            skipping = asyncio.ensure_future(asyncio.to_thread(skip, h.worker_id, h.step, None, h.device_count))
+            skipping.add_done_callback(self._moved_by(piece))
+            result = await skipping
             return pb.PushReply(version=result.version, completed=result.completed, skipped=result.skipped)
         async with self._staging_slots:
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # h.dtype is the job's push dtype (checked)
@@ -361,6 +403,7 @@ class ParameterServerServicer:
                     return shard.push(h.worker_id, h.step, take(), h.device_count, piece_start=piece)
 
                 pushing = asyncio.get_running_loop().run_in_executor(None, call)
+                pushing.add_done_callback(self._moved_by(piece))
                 # Shielded: a cancelled RPC must not hand the buffer to another push while the shard reads it.
                 result = await asyncio.shield(pushing)
             finally:
@@ -378,6 +421,79 @@ class ParameterServerServicer:
         )
 
     @translate
+    async def PushShared(self, h: pb.PushHeader, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        """Issue 12: a colocated worker's push of one piece whose payload is in its push region: one unary call and
+        one thread hop, in which the shard checks the header and takes the piece. Same checks as ``Push``, in the
+        same order: the caller's identity (on the loop), the shard's header checks (a duplicate is acknowledged
+        unread), then the regions' nonce."""
+        self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
+        if not h.shm_nonce or h.bulk_ticket or h.skip or not h.HasField("piece_start"):
+            raise InvalidArgument(
+                "PushShared carries one piece's header naming the caller's push region (shm_nonce) and nothing else; "
+                "skips, whole shards and bulk payloads go through Push"
+            )
+        shard = self.shard
+        started = time.perf_counter()
+        piece = h.piece_start
+        regions = self.regions
+
+        def call() -> PushResult:
+            check = functools.partial(shard.check_push, piece_start=piece)
+            if check(h.shard_id, h.worker_id, h.step, h.device_count, h.dtype, h.numel):  # acknowledged unread
+                return PushResult(shard.piece(piece, h.numel).version, duplicate=True, completed=False)
+            pair = regions.pair(h.worker_id, h.shm_nonce)
+            where = regions.span(piece, h.numel)
+            if h.dtype == pb.FLOAT32:  # read in place: the shard keeps nothing after the push
+                return shard.push(h.worker_id, h.step, regions.view(pair, where), h.device_count, piece_start=piece)
+            buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # bfloat16, widened in the region: narrowed back
+            try:
+                grad = regions.take(pair, where, buf)
+                return shard.push(h.worker_id, h.step, grad, h.device_count, piece_start=piece)
+            finally:
+                self._pool.release(buf)
+
+        async with self._staging_slots:
+            pushing = asyncio.get_running_loop().run_in_executor(None, call)
+            pushing.add_done_callback(self._moved_by(piece))
+            # Shielded: a cancelled call leaves the shard reading the region (and the buffer) until it is done.
+            result = await asyncio.shield(pushing)
+        if not result.duplicate:
+            metrics.BYTES_PUSHED.inc(h.numel * (4 if h.dtype == pb.FLOAT32 else 2))
+        metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
+        if result.completed:
+            metrics.UPDATE_SECONDS.observe(result.update_s)
+        return pb.PushReply(
+            version=result.version, duplicate=result.duplicate, completed=result.completed, skipped=result.skipped
+        )
+
+    def _moved_by(self, piece: int | None) -> Callable[[asyncio.Future[PushResult]], None]:
+        """A done-callback for a push in a thread: wake the pulls of what it moved on (even if the RPC was
+        cancelled meanwhile). A whole-shard push may complete some pieces only: every piece is looked at."""
+
+        def done(pushed: asyncio.Future[PushResult]) -> None:
+            if pushed.cancelled() or pushed.exception() is not None:
+                return
+            if piece is None or pushed.result().completed:
+                self._moved(piece)
+
+        return done
+
+    @translate
+    async def PullShared(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullReply:
+        """Issue 12: a colocated worker's pull into its pull region as one unary call (``Pull`` with ``shm_worker``
+        answers the same, as a stream of one header-only reply)."""
+        shard = self.shard
+        if request.shard_id != shard.shard_id:
+            raise InvalidArgument(f"pull for shard {request.shard_id} reached shard {shard.shard_id}")
+        if not request.HasField("shm_worker") or request.bulk_ticket:
+            raise InvalidArgument("PullShared names the caller's pull region (shm_worker, shm_nonce) and nothing else")
+        started = time.perf_counter()
+        piece = request.piece_start if request.HasField("piece_start") else None
+        version = await self._pull_shared(shard, piece, request, context)
+        metrics.PULL_SECONDS.observe(time.perf_counter() - started)
+        return pb.PullReply(version=version)
+
+    @translate
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         shard = self.shard
         if request.shard_id != shard.shard_id:
@@ -385,7 +501,8 @@ class ParameterServerServicer:
         piece = request.piece_start if request.HasField("piece_start") else None
         started = time.perf_counter()
         if request.HasField("shm_worker"):
-            yield await self._pull_shared(shard, piece, request, context)
+            version = await self._pull_shared(shard, piece, request, context)
+            yield pb.PullReply(version=version).SerializeToString()
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         if request.bulk_ticket:
@@ -405,10 +522,27 @@ class ParameterServerServicer:
         metrics.BYTES_PULLED.inc(replies.numel * 4)
         metrics.PULL_SECONDS.observe(time.perf_counter() - started)
 
+    @translate
+    async def PullAt(self, request: pb.PullAtRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """S2.5: the whole shard at exactly ``request.version``, streamed in gRPC (a replacement's one pull)."""
+        shard = self.shard
+        if request.shard_id != shard.shard_id:
+            raise InvalidArgument(f"pull for shard {request.shard_id} reached shard {shard.shard_id}")
+        with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
+
+            def encode() -> EncodedReplies:
+                with shard.read_at(request.version, wait_s) as params:
+                    return EncodedReplies(request.version, params, self._chunk_bytes).encode_all()
+
+            replies = await asyncio.get_running_loop().run_in_executor(self._pull_at_io, encode)
+        for index in range(len(replies)):
+            yield replies[index]
+        metrics.BYTES_PULLED.inc(replies.numel * 4)
+
     async def _pull_shared(
         self, shard: PiecedShard, piece: int | None, request: pb.PullRequest, context: grpc.aio.ServicerContext
-    ) -> bytes:
-        """Copy the piece (at ``min_version`` or newer) into the worker's pull region; the header-only reply."""
+    ) -> int:
+        """Copy the piece (at ``min_version`` or newer) into the worker's pull region; its version."""
         metadata = context.invocation_metadata()
         if self.gate.keys is not None:  # only the worker itself is answered through its regions
             self.gate.keys.require(metadata, "worker", request.shm_worker)
@@ -416,10 +550,7 @@ class ParameterServerServicer:
         source = self._source_of(shard, piece)
         where = self.regions.span(piece, source.numel)
         with self.gate.pull(metadata, context.peer(), context.time_remaining()) as wait_s:
-            marks = self._marks.get(piece)
-            if marks is None:
-                marks = self._marks[piece] = _Versions(source, 1, asyncio.get_running_loop(), encode=False)
-            await marks.get(request.min_version, wait_s)
+            await self._marks_of(piece, source).get(request.min_version, wait_s)
 
         def put() -> int:
             with source.read(request.min_version, wait_s) as (version, published):
@@ -428,7 +559,20 @@ class ParameterServerServicer:
 
         version = await asyncio.to_thread(put)
         metrics.BYTES_PULLED.inc(source.numel * 4)
-        return pb.PullReply(version=version).SerializeToString()
+        return version
+
+    def _marks_of(self, piece: int | None, source: ParameterShard | PiecedShard) -> _Marks:
+        marks = self._marks.get(piece)
+        if marks is None:
+            marks = self._marks[piece] = _Marks(source)
+        return marks
+
+    def _moved(self, piece: int | None) -> None:
+        """A call that may have moved ``piece`` (None: any piece) to a new version has returned: wake its pulls and
+        the whole shard's."""
+        for start, marks in list(self._marks.items()):
+            if piece is None or start is None or start == piece:
+                marks.moved()
 
     def _take_for_pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> BulkSocket:
         """The caller's bulk socket: a member's credential first (an outsider learns nothing about tickets), then
@@ -459,10 +603,7 @@ class ParameterServerServicer:
                 f"{source.numel}"
             )
         with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
-            marks = self._marks.get(piece)
-            if marks is None:
-                marks = self._marks[piece] = _Versions(source, 1, asyncio.get_running_loop(), encode=False)
-            await marks.get(request.min_version, wait_s)
+            await self._marks_of(piece, source).get(request.min_version, wait_s)
 
             def send() -> int:
                 with source.read(request.min_version, wait_s) as (version, published):
@@ -546,12 +687,18 @@ class ParameterServerServicer:
             self.gate.keys.require(context.invocation_metadata(), "coordinator", 0)
         shard = self.shard
         call = functools.partial(shard.set_workers, request.from_version, list(request.worker_ids), request.scaled_lr)
-        every, some = await asyncio.to_thread(call)  # the pieces' locks may be held by an update
+        try:
+            every, some = await asyncio.to_thread(call)  # the pieces' locks may be held by an update
+        finally:
+            self._moved(None)  # a removal may have completed the step in flight
         return pb.SetWorkersReply(included_all=every, included_any=some)
 
     @translate
     def GetShardStatus(self, request: pb.ShardStatusRequest, context: grpc.ServicerContext) -> pb.ShardStatus:
-        s = self.shard.snapshot()
+        shard = self.shard
+        s = shard.snapshot()
+        if request.HasField("worker_id") and not 0 <= request.worker_id < shard.workers:
+            raise UnknownWorker(f"unknown worker {request.worker_id}: this job has workers 0..{shard.workers - 1}")
         return pb.ShardStatus(
             shard_id=s.shard_id,
             start=s.start,
@@ -561,6 +708,7 @@ class ParameterServerServicer:
             workers_expected=s.workers_expected,
             bytes_held=s.bytes_held,
             optimizer=s.optimizer,
+            worker_step=shard.last_step_of(request.worker_id) if request.HasField("worker_id") else None,
         )
 
 
@@ -593,6 +741,19 @@ def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Ser
         ),
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=_as_is
+        ),
+        "PullAt": grpc.unary_stream_rpc_method_handler(
+            servicer.PullAt, request_deserializer=pb.PullAtRequest.FromString, response_serializer=_as_is
+        ),
+        "PushShared": grpc.unary_unary_rpc_method_handler(
+            servicer.PushShared,
+            request_deserializer=pb.PushHeader.FromString,
+            response_serializer=pb.PushReply.SerializeToString,
+        ),
+        "PullShared": grpc.unary_unary_rpc_method_handler(
+            servicer.PullShared,
+            request_deserializer=pb.PullRequest.FromString,
+            response_serializer=pb.PullReply.SerializeToString,
         ),
         "SetWorkers": grpc.unary_unary_rpc_method_handler(
             servicer.SetWorkers,

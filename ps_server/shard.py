@@ -25,8 +25,9 @@ collects any push. A push from a worker not among the step's contributors is ref
 and changes nothing.
 
 Determinism: contributions are summed in worker order whatever order they arrive in (an early
-one from a higher worker id waits in a side buffer), so a step's result does not depend on
-timing and a resumed run equals an uninterrupted one bit for bit.
+one from a higher worker id waits in a side buffer; the second in order, arriving first, becomes
+the accumulator at once, since the first two terms of a sum commute exactly), so a step's result
+does not depend on timing and a resumed run equals an uninterrupted one bit for bit.
 
 Pulls are served from a published copy of the parameters that an update never writes while a
 reader holds it: the update copies into the other of two buffers and publishes that one (a
@@ -135,6 +136,10 @@ class ParameterShard:
         self._param = torch.nn.Parameter(initial.clone(), requires_grad=True)
         self._published = self._param.detach().clone()  # what pulls read; never written while a reader holds it
         self._spare: torch.Tensor | None = None  # the previously published buffer, reused once no reader holds it
+        # The parameters of version ``_version - 1`` (the spare, or the published buffer after a skipped step) until
+        # the next update: a replacement worker reads them to redo a step its failed predecessor pushed to some
+        # pieces only (``read_at``, S2.5).
+        self._previous: torch.Tensor | None = None
         self._readers: dict[int, int] = {}  # id(published buffer) -> readers holding it
         self._accum = torch.zeros_like(initial)
         self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version), layers)
@@ -190,6 +195,13 @@ class ParameterShard:
     def version(self) -> int:
         with self._cond:
             return self._version
+
+    @property
+    def version_now(self) -> int:
+        """``version`` without the lock (reading an int is atomic), ``NotReady`` once closed: for the servicer's event
+        loop, which must never wait for a lock an update holds; the read that follows checks again under the lock."""
+        self._check_open()
+        return self._version
 
     # ------------------------------------------------------------------ push
 
@@ -251,7 +263,14 @@ class ParameterShard:
                 self._held[worker_id] = self._accum[:0]  # an empty placeholder: nothing to add
             else:
                 in_turn = self._summed < len(self._order) and worker_id == self._order[self._summed]
-                self._held[worker_id] = grad if in_turn else grad.clone()
+                if self._second_first(worker_id):
+                    # Issue 12: the second worker in order arrived first. a + b == b + a exactly, so its
+                    # contribution becomes the accumulator at once (no clone to hold it, no second pass);
+                    # ``_sum_in_order`` passes over it when the first one is added.
+                    self._accum.copy_(grad)
+                    self._has_sum = True
+                else:
+                    self._held[worker_id] = grad if in_turn else grad.clone()
             self._sum_in_order()
             if len(self._pending) < len(self._order):
                 return PushResult(self._version, duplicate=False, completed=False)
@@ -381,8 +400,12 @@ class ParameterShard:
             return self._contributors
 
     def _sum_in_order(self) -> None:
-        """Add held contributions to the accumulator in worker order, as far as there is no gap."""
-        while self._summed < len(self._order) and self._order[self._summed] in self._held:
+        """Add held contributions to the accumulator in worker order, as far as there is no gap (a contribution
+        already in it, the second in order that arrived first, is passed over)."""
+        while self._summed < len(self._order) and self._order[self._summed] in self._pending:  # held ones are pending
+            if self._order[self._summed] not in self._held:  # in the accumulator already (``_second_first``)
+                self._summed += 1
+                continue
             grad = self._held.pop(self._order[self._summed])
             if grad.numel():
                 if not self._has_sum:
@@ -391,6 +414,11 @@ class ParameterShard:
                     self._accum.add_(grad)
                 self._has_sum = True
             self._summed += 1
+
+    def _second_first(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` is second in summing order and its contribution comes before anything was summed
+        (the lock held): the first two of a sum commute exactly, later ones do not, so only this one is placed early."""
+        return not self._has_sum and self._summed == 0 and len(self._order) > 1 and worker_id == self._order[1]
 
     def _classify_step(self, worker_id: int, step: int) -> bool:
         if self._last_step.get(worker_id) == step:
@@ -424,6 +452,7 @@ class ParameterShard:
             step_on_mean(self._optimizer, sum(self._pending.values()))
             self._param.grad = None
             self._publish()
+        self._previous = self._published if skipped else self._spare  # version ``_version`` until the next update
         self._pending.clear()
         self._summed = 0
         self._has_sum = False
@@ -480,6 +509,53 @@ class ParameterShard:
                 left = self._readers.pop(id(published)) - 1
                 if left:
                     self._readers[id(published)] = left
+
+    def last_step_of(self, worker_id: int) -> int:
+        """The last step ``worker_id`` contributed to here (-1: none since this shard was built)."""
+        with self._cond:
+            return self._last_step.get(worker_id, -1)
+
+    @contextmanager
+    def read_at(self, version: int, timeout_s: float) -> Iterator[torch.Tensor]:
+        """Wait for ``version``, then lend the parameters of exactly that version: the published buffer, or the
+        previous one once the shard has moved one step past it.
+
+        Why: a worker that died after pushing some pieces of a step leaves those pieces one version ahead of the
+        others; its replacement reads every piece at the held version and redoes the step (its pushes to the pieces
+        that moved on are duplicates), so the job goes on in place with the fault-free result. The previous buffer
+        is the spare of the double buffering: it costs nothing and lives until the next update, which cannot come
+        before the replacement pushes.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._check_open()
+                if self._version >= version:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WaitTimeout(
+                        f"shard {self.shard_id} is at version {self._version}; version {version} did not appear "
+                        f"within {timeout_s:.1f}s"
+                    )
+                self._cond.wait(remaining)
+            if self._version == version:
+                lent = self._published
+            elif self._version == version + 1 and self._previous is not None:
+                lent = self._previous
+            else:
+                raise StepConflict(
+                    f"shard {self.shard_id} [{self.start}, {self.end}) is at version {self._version}; version "
+                    f"{version} is no longer kept (a shard keeps the one before its current version)"
+                )
+            self._readers[id(lent)] = self._readers.get(id(lent), 0) + 1
+        try:
+            yield lent
+        finally:
+            with self._cond:
+                left = self._readers.pop(id(lent)) - 1
+                if left:
+                    self._readers[id(lent)] = left
 
     def parameters(self) -> tuple[int, torch.Tensor]:
         """A copy of the current parameters and their version (for tests and checkpoints)."""

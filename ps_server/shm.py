@@ -15,7 +15,8 @@ for ``release``, a re-open, ``close`` or the interpreter's exit (``shm_region``'
 
 Push: ``ParameterShard.push`` keeps nothing it is given once it returns (the first contribution
 of a step is copied into the shard's accumulator, the next in order added to it, one that arrives
-out of worker order cloned), and the worker cannot write the piece again before the push is
+out of worker order cloned, unless it is the second in order: then it is copied into the accumulator
+at once), and the worker cannot write the piece again before the push is
 acknowledged, so a float32 push is read straight from the region (``view``): the worker's copy
 into the region is the only one before the accumulator. A bfloat16 push (``transport.push_dtype``;
 the region holds float32) is copied into a buffer of the pushed dtype (``take``). Pull: ``put``

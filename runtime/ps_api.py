@@ -165,6 +165,20 @@ class ParameterServerClient(Protocol):
         """
         ...
 
+    def contributed(self, worker_id: int) -> int:
+        """The last step ``worker_id`` contributed to every piece of every shard (-1: none), without waiting:
+        whether a failed worker's last push reached everywhere (S2.5, a replacement's rejoin)."""
+        ...
+
+    def pull_at(self, version: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with exactly version ``version`` of every shard (S2.5, a replacement's rejoin).
+
+        A shard keeps the version before its current one, so this succeeds where a failed worker
+        pushed step ``version`` to some pieces only (they are one version ahead). Raises
+        ``StepConflict`` when a shard is past ``version + 1`` and ``WaitTimeout`` as ``pull`` does.
+        """
+        ...
+
     def close(self, cancel: bool = False) -> None:
         """Release the client. Without ``cancel`` calls in flight finish first; with it they
         fail at once with ``Cancelled`` (how a worker honours SIGTERM during a blocked pull).

@@ -11,7 +11,8 @@ Colocated (issue 12): a client whose shard listens on this host asks it, with th
 for a worker, for a pair of shared-memory regions (``runtime.shm_region``) and uses them if it can
 map both and reads back the announced nonce; pushes then send only the header after copying the
 piece into the push region, and pulls receive only the header and copy the piece out of the pull
-region. Anything else (a remote shard, ``shared_memory=False``, a refusal) streams, as before.
+region, each piece's as one unary call (``PushShared``, ``PullShared``; a shard without them,
+UNIMPLEMENTED, is streamed to). Anything else (a remote shard, ``shared_memory=False``, a refusal) streams, as before.
 
 Remote (issue 12): gRPC Python's own copies keep a gRPC stream near 0.4x raw TCP, so a client
 moves payloads on bulk sockets (``runtime.bulk_client``, ``ps_server.bulk``) where the shard offers
@@ -69,7 +70,7 @@ from pstrain.runtime.ps_api import (
 from pstrain.runtime.security import INSECURE, TransportSecurity
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 from pstrain.runtime.shm_client import SharedMemory
-from pstrain.runtime.transport import full_service_name, open_channel
+from pstrain.runtime.transport import CONTROL_TIMEOUT_S, full_service_name, open_channel
 
 T = TypeVar("T")
 
@@ -100,6 +101,11 @@ def _pull_reply(raw: bytes) -> PullPart | CodecError:
         return exc
 
 
+# A shared-memory call the shard refused without changing anything: it replaced or dropped the regions (ABORTED), or
+# it predates PushShared/PullShared (UNIMPLEMENTED). The client then streams to that shard.
+_SHM_REFUSED = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED)
+
+
 def _aborted(exc: BaseException) -> bool:
     """The shard refused or dropped a bulk socket (StaleBulk): the call changed nothing and may be streamed."""
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
@@ -115,9 +121,30 @@ class _ShardStub:
         self.Pull = channel.unary_stream(
             f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=_pull_reply
         )
+        self.GetShardStatus = channel.unary_unary(
+            f"/{_SERVICE}/GetShardStatus",
+            request_serializer=pb.ShardStatusRequest.SerializeToString,
+            response_deserializer=pb.ShardStatus.FromString,
+        )
+        self.PullAt = channel.unary_stream(
+            f"/{_SERVICE}/PullAt",
+            request_serializer=pb.PullAtRequest.SerializeToString,
+            response_deserializer=_pull_reply,
+        )
         # Issue 12: a shared-memory (or bulk) pull's replies are header-only PullReply messages.
         self.PullShared = channel.unary_stream(
             f"/{_SERVICE}/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pb.PullReply.FromString,
+        )
+        # Issue 12: a colocated worker's header-only push and pull as unary calls (no stream, no request thread).
+        self.PushShm = channel.unary_unary(
+            f"/{_SERVICE}/PushShared",
+            request_serializer=pb.PushHeader.SerializeToString,
+            response_deserializer=pb.PushReply.FromString,
+        )
+        self.PullShm = channel.unary_unary(
+            f"/{_SERVICE}/PullShared",
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=pb.PullReply.FromString,
         )
@@ -219,6 +246,31 @@ class PsClient:
         futures = [self._submit(self._pull_one, r, min_version, out[r.start : r.end]) for r in self.ranges]
         return agreed_version([result_of(f) for f in futures])
 
+    def contributed(self, worker_id: int) -> int:
+        futures = [self._submit(self._contributed_one, r, worker_id) for r in self.ranges]
+        return min(result_of(f) for f in futures)
+
+    def _contributed_one(self, r: ShardRange, worker_id: int) -> int:
+        request = pb.ShardStatusRequest(worker_id=worker_id)
+        status = self._stubs[r.shard_id].GetShardStatus(request, timeout=CONTROL_TIMEOUT_S)
+        return int(status.worker_step) if status.HasField("worker_step") else -1  # a shard that cannot tell: none
+
+    def pull_at(self, version: int, out: torch.Tensor) -> None:
+        check_pull_buffer(out, self.total)
+        futures = [self._submit(self._pull_at_one, r, version, out[r.start : r.end]) for r in self.ranges]
+        for future in futures:
+            result_of(future)
+
+    def _pull_at_one(self, r: ShardRange, version: int, dest: torch.Tensor) -> None:
+        """Streamed in gRPC: a rejoin's one pull needs no shared-memory region or bulk socket."""
+        assembler = TensorAssembler(torch.float32, r.numel, out=dest)
+        request = pb.PullAtRequest(shard_id=r.shard_id, version=version)
+        for reply in self._stubs[r.shard_id].PullAt(request, timeout=self._pull_timeout_s):
+            if isinstance(reply, CodecError):
+                raise reply
+            assembler.add(reply.chunk)
+        assembler.result()
+
     def close(self, cancel: bool = False) -> None:
         """Release the channels; with ``cancel`` in-flight calls fail at once with ``Cancelled``."""
         self._closed.set()
@@ -288,9 +340,14 @@ class PsClient:
             regions.push.data[self.shared.span(r)].copy_(piece)  # the payload's one copy on this side
             header.shm_nonce = regions.nonce
             try:
-                reply = self._stubs[r.shard_id].Push(iter((encode_push_header(header),)), timeout=self._push_timeout_s)
+                if is_piece:  # one unary call (PushShared); a whole shard's header-only push is a Push stream
+                    reply = self._stubs[r.shard_id].PushShm(header, timeout=self._push_timeout_s)
+                else:
+                    reply = self._stubs[r.shard_id].Push(
+                        iter((encode_push_header(header),)), timeout=self._push_timeout_s
+                    )
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.ABORTED:  # ABORTED: the shard replaced or dropped the regions
+                if exc.code() not in _SHM_REFUSED:
                     raise
                 self.shared.disable(r.shard_id)
                 header.shm_nonce = b""
@@ -369,13 +426,13 @@ class PsClient:
             shared = pb.PullRequest(shm_worker=regions.worker_id, shm_nonce=regions.nonce)
             shared.MergeFrom(request)
             try:
-                replies = list(self._stubs[r.shard_id].PullShared(shared, timeout=self._pull_timeout_s))
+                replies = [self._stubs[r.shard_id].PullShm(shared, timeout=self._pull_timeout_s)]  # one unary call
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.ABORTED:
+                if exc.code() not in _SHM_REFUSED:
                     raise
                 self.shared.disable(r.shard_id)
             else:
-                if len(replies) != 1 or replies[0].HasField("chunk"):
+                if replies[0].HasField("chunk"):
                     raise CodecError("a shared-memory pull is answered with one header-only reply")
                 dest.copy_(regions.pull.data[self.shared.span(r)])  # the payload's one copy on this side
                 self.shared.count(shared=r.numel * 4)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import field, fields, make_dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,17 @@ import torch
 from pstrain.coordinator.checkpoints import (
     CheckpointLedger,
     CheckpointMismatch,
+    JobIdentity,
     Manifest,
     committed_steps,
+    explicit_settings,
     job_hash,
+    legacy_job_hash,
     newest_manifest,
+    read_manifest,
     resume_point,
 )
+from pstrain.coordinator.config import parse_config
 from pstrain.ps_server.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -33,6 +39,7 @@ from pstrain.ps_server.checkpoint import (
     written_steps,
 )
 from tests.helpers import REPO_ROOT, wait_for
+from tests.test_job import RAW
 
 
 def state(step: int, shard_id: int = 0, numel: int = 10) -> ShardState:
@@ -131,7 +138,7 @@ def test_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
         load_state(tmp_path, 0, 0, 10, step)
 
 
-def template(shards: int = 2, digest: str = "abc") -> Manifest:
+def template(shards: int = 2, digest: str = "abc", settings: dict | None = None) -> Manifest:
     return Manifest(
         step=-1,
         job_hash=digest,
@@ -140,6 +147,7 @@ def template(shards: int = 2, digest: str = "abc") -> Manifest:
         workers=2,
         per_worker_batch=8,
         committed_unix_s=0.0,
+        settings=settings,
     )
 
 
@@ -159,18 +167,18 @@ def test_ledger_commits_only_when_every_shard_confirmed_and_the_step_is_recorded
             ledger.confirm(shard, step)
     assert ledger.commit(completed_steps=20).step == 15  # type: ignore[union-attr]
     assert committed_steps(tmp_path) == [5, 15]  # the newest ready step; keep 2
-    assert newest_manifest(tmp_path, "abc").step == 15  # type: ignore[union-attr]
+    assert newest_manifest(tmp_path, JobIdentity("abc")).step == 15  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="out of range"):
         ledger.confirm(3, 20)
 
 
 def test_newest_manifest_refuses_another_job_file(tmp_path):
-    assert newest_manifest(tmp_path, "abc") is None
+    assert newest_manifest(tmp_path, JobIdentity("abc")) is None
     ledger = CheckpointLedger(tmp_path, template(shards=1), keep=1)
     ledger.confirm(0, 4)
     ledger.commit(4)
     with pytest.raises(CheckpointMismatch, match="another job file"):
-        newest_manifest(tmp_path, "other")
+        newest_manifest(tmp_path, JobIdentity("other"))
 
 
 def test_job_hash_ignores_steps_security_and_eval_only():
@@ -178,6 +186,60 @@ def test_job_hash_ignores_steps_security_and_eval_only():
     assert job_hash(base) == job_hash({**base, "job": {"steps": 99, "seed": 0}, "security": {}, "eval": {"x": 1}})
     assert job_hash(base) != job_hash({**base, "job": {"steps": 10, "seed": 1}})
     assert job_hash(base) != job_hash({**base, "model": {"factory": "m:g"}})
+
+
+def with_new_key(config):
+    """``config`` as a later pstrain would parse the same file: its transport section has one more key."""
+    transport = config.transport
+    later = make_dataclass(
+        "LaterTransport",
+        [(f.name, f.type, field(default=getattr(transport, f.name))) for f in fields(transport)]
+        + [("a_new_key", int, field(default=7))],
+        frozen=True,
+    )
+    return replace(config, transport=later())
+
+
+def job_file_hash(raw):
+    return job_hash(explicit_settings(parse_config(raw)))
+
+
+def test_a_job_file_keeps_its_hash_across_an_upgrade_that_adds_a_key():
+    config = parse_config(RAW)
+    assert job_hash(explicit_settings(with_new_key(config))) == job_file_hash(RAW)
+    assert set(explicit_settings(config)) <= set(RAW)  # only the sections the file sets
+    explicit_default = {**RAW, "transport": {"bucket_bytes": parse_config(RAW).transport.bucket_bytes}}
+    assert job_file_hash(explicit_default) == job_file_hash(RAW)  # a default spelled out is the same job
+    resilient = {**RAW, "checkpoint": {"every_steps": 3, "keep": 5}, "fault": {"max_restarts": 9}}
+    assert job_file_hash(resilient) == job_file_hash(RAW)  # how it is kept and restarted is not what it trains
+    assert job_file_hash({**RAW, "batch": {"per_device": 8}}) != job_file_hash(RAW)
+    assert job_file_hash({**RAW, "optimizer": {"name": "adam", "lr": 0.001}}) != job_file_hash(RAW)
+
+
+def commit_one(directory: Path, identity: JobIdentity) -> None:
+    ledger = CheckpointLedger(directory, template(shards=1, digest=identity.digest, settings=identity.settings), keep=2)
+    ledger.confirm(0, 4)
+    assert ledger.commit(4) is not None
+
+
+def test_a_resume_names_the_settings_that_differ_and_accepts_older_manifests(tmp_path: Path):
+    config = parse_config(RAW)
+    identity = JobIdentity.of(config)
+    commit_one(tmp_path / "same", identity)
+    assert read_manifest(tmp_path / "same", 4).settings == identity.settings
+    assert newest_manifest(tmp_path / "same", identity).step == 4  # type: ignore[union-attr]
+    other = JobIdentity.of(parse_config({**RAW, "optimizer": {"name": "sgd", "lr": 0.5}}))
+    with pytest.raises(CheckpointMismatch, match=r"optimizer\.lr: 0\.1 there, 0\.5 now"):
+        newest_manifest(tmp_path / "same", other)
+    # A later pstrain with another default for a setting: the same job file (and hash), other resolved settings.
+    changed_default = JobIdentity(identity.digest, {**identity.settings, "data.shuffle": "a new default"})
+    with pytest.raises(CheckpointMismatch, match="data.shuffle"):
+        newest_manifest(tmp_path / "same", changed_default)
+    # A manifest of the release before: the whole-config hash and no settings.
+    commit_one(tmp_path / "older", JobIdentity(legacy_job_hash(config)))
+    assert newest_manifest(tmp_path / "older", identity).step == 4  # type: ignore[union-attr]
+    with pytest.raises(CheckpointMismatch, match="hash"):
+        newest_manifest(tmp_path / "older", other)
 
 
 def test_a_fast_shard_keeps_the_files_of_every_committed_checkpoint(tmp_path: Path):
@@ -223,13 +285,13 @@ def test_resume_point_trains_anew_after_a_finished_run_and_redoes_the_tail_of_an
     for step in (4, 8, 10):
         ledger.confirm(0, step)
         ledger.commit(step)
-    assert resume_point(ckpt, "abc", steps=12, fresh=False, export=model).step == 10  # type: ignore[union-attr]
+    assert resume_point(ckpt, JobIdentity("abc"), steps=12, fresh=False, export=model).step == 10  # type: ignore[union-attr]
     # Reached the last step (10) but died before writing model.pt: resume before the end.
-    assert resume_point(ckpt, "abc", steps=10, fresh=False, export=model).step == 8  # type: ignore[union-attr]
+    assert resume_point(ckpt, JobIdentity("abc"), steps=10, fresh=False, export=model).step == 8  # type: ignore[union-attr]
     model.write_bytes(b"the exported model")  # written after the final manifest: finished
-    assert resume_point(ckpt, "abc", steps=10, fresh=False, export=model) is None
+    assert resume_point(ckpt, JobIdentity("abc"), steps=10, fresh=False, export=model) is None
     assert committed_steps(ckpt) == []  # discarded: the job trains anew
     ledger = CheckpointLedger(ckpt, template(shards=1), keep=3)
     ledger.confirm(0, 4)
     ledger.commit(4)
-    assert resume_point(ckpt, "abc", steps=10, fresh=True) is None and committed_steps(ckpt) == []
+    assert resume_point(ckpt, JobIdentity("abc"), steps=10, fresh=True) is None and committed_steps(ckpt) == []

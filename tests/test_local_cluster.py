@@ -3,12 +3,16 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import torch
+import yaml
 
-from pstrain.launcher.local_cluster import Supervision, supervise
+from pstrain.coordinator.config import parse_config
+from pstrain.launcher.local_cluster import LocalCluster, ManagedProcess, Supervision, supervise
 from tests.helpers import (
     communicate_or_dump,
     metrics_lines,
@@ -120,6 +124,25 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert "model.factory: module 'tests.helpers' has no attribute 'no_such_model'" in result.stderr
     assert not (tmp_path / "out" / "logs" / "coordinator.log").exists(), "refused before starting anything"
     assert not pids_with_marker(marker)
+
+
+def test_children_that_die_after_the_job_finished_are_let_go_not_restarted(tmp_path, capsys):
+    """A worker killed while it exits after the last step must not come back: it would wait for a coordinator
+    that is gone, and ``pstrain local`` would never end."""
+    cfg = parse_config(yaml.safe_load(write_job(tmp_path / "job.yaml").read_text()))
+    cluster = LocalCluster(tmp_path / "job.yaml", cfg, tmp_path / "out")
+    done = cluster._spawn("coordinator", "tests.helpers", [])  # exits 0 at once: no __main__ runs anything
+    log_path = tmp_path / "worker-1.log"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    killed = ManagedProcess("worker-1", sleeper, log_path, open(log_path, "ab"))  # noqa: SIM115 - closed by it
+    cluster.processes.append(killed)
+    killed.popen.kill()
+    for proc in (done, killed):
+        proc.popen.wait(30)
+    cluster._supervise(job_over=True)
+    assert cluster.processes == [done] and cluster.worker_restarts == {}
+    assert "worker-1 exited with code -9 after the job ended; not restarted" in capsys.readouterr().err
+    done.log_file.close()
 
 
 # ------------------------------------------------------------------ the restart decision, without processes

@@ -88,9 +88,9 @@ class DensePs:
 def test_the_replacement_reports_the_tables_to_the_coordinator(pushed, consistent):
     client = client_at_step_one(pushed)
     member = FakeMember()
-    ok = rejoin(member, 1, DensePs(2), 8, lambda version: rows_behind(client, 1, version))  # type: ignore[arg-type]
+    joined = rejoin(member, 1, DensePs(2), 8, lambda version: rows_behind(client, 1, version))  # type: ignore[arg-type]
     (request,) = member.coordinator.requests
-    assert request.step == 2 and ok is consistent
+    assert request.step == 2 and joined == (2 if consistent else None)
     assert (request.inconsistent == "") is consistent
 
 

@@ -154,6 +154,10 @@ class Recording:
             raise self.faults[key].pop(0)
         return self.inner.pull(min_version, out)
 
+    def pull_at(self, version: int, out: torch.Tensor) -> None:
+        self.calls.append(("pull_at", version))
+        self.inner.pull_at(version, out)
+
     # S4: the trainer pushes and pulls per bucket; these tests' jobs have one bucket (bucket_bytes 0), so a
     # step is one push_pieces and one pull_pieces, logged and faulted under the same keys as push and pull.
 

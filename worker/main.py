@@ -27,7 +27,7 @@ from pstrain.runtime.factories import FactoryError, LossFn, build_dataset, build
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
 from pstrain.runtime.member import EXIT_JOB_FAILED, EXIT_RESTART, MemberProcess, add_member_flags
-from pstrain.runtime.ps_api import PsClientError
+from pstrain.runtime.ps_api import Cancelled, PsClientError
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 from pstrain.worker.coordinator_link import CoordinatorLink
@@ -185,9 +185,11 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
     )
     member.closing(lambda: ps.close(cancel=True))  # a pull left waiting on a failed step must not hold the exit
     rows_check = rejoin_rows_check(job, cluster.ps_addresses, reply.worker_id, member.served.security)  # issue 9
-    if reply.replacement and not rejoin(member, reply.worker_id, ps, job.total_params, rows_check, reply.start_step):
-        return EXIT_RESTART
     trainer = Trainer(reply.worker_id, job, replicas, ps, feed, loss_fn, link, member.stop)
+    if reply.replacement:
+        trainer.start_at = rejoin(member, reply.worker_id, ps, job.total_params, rows_check, reply.start_step)
+        if trainer.start_at is None:
+            return EXIT_RESTART
     trainer.sparse = host_row_store(  # issue 9: sparse embedding rows, when the job declares tables
         job,
         cluster.ps_addresses,
@@ -220,25 +222,47 @@ def rejoin(
     total_params: int,
     rows_check: Callable[[int], str] | None = None,
     start_step: int = 0,
-) -> bool:
-    """S2.5: a replacement pulls the current version and tells the coordinator, which positions the
-    slot's data there; False when the job cannot go on in place (the coordinator rolls it back).
-    ``rows_check(version)`` (issue 9, ``row_store.rows_behind``): why the sparse tables cannot go on there."""
+) -> int | None:
+    """S2.5: a replacement pulls the version its slot goes on from and tells the coordinator, which positions
+    the slot's data there; that version, or None when the job cannot go on in place (the coordinator rolls it
+    back).
+
+    ``start_step`` is the slot's first unreported step. A dense job goes on from the step after it when the
+    failed predecessor had pushed it to every piece (its push stays counted; the coordinator stands in for its
+    report), else it redoes that step: the pieces the predecessor had pushed it to are one version ahead and
+    serve the version before (``pull_at``), so the replacement computes the same gradient on the same samples
+    (its pushes to those pieces are duplicates) and the result equals the fault-free run however far the push
+    got. (Data shards are completed only after a step's whole push, so a step pushed to some pieces completed
+    none.) A job with sparse tables pulls the newest common version, since its row shards keep their own step
+    (``rows_check(version)``, issue 9, ``row_store.rows_behind``: why the tables cannot go on there)."""
     inconsistent = ""
-    try:
-        version = ps.pull(start_step, torch.empty(total_params, dtype=torch.float32))  # issue 11: a slot taken back
-    except RuntimeError as exc:  # the shards disagree: the failed worker pushed to some of them only
-        version, inconsistent = -1, str(exc)
-    if not inconsistent and rows_check is not None:
-        inconsistent = rows_check(version)
+    params = torch.empty(total_params, dtype=torch.float32)
+    if rows_check is None:
+        version = start_step
+        try:
+            version = start_step + 1 if ps.contributed(worker_id) >= start_step else start_step
+            ps.pull_at(version, params)
+        except Cancelled:
+            raise  # this process is stopping: not a reason to roll the job back
+        except PsClientError as exc:  # a shard two versions past it, restarting, or silent: roll back
+            inconsistent = str(exc)
+    else:
+        try:
+            version = ps.pull(start_step, params)  # issue 11: a slot taken back
+        except Cancelled:
+            raise
+        except (RuntimeError, PsClientError) as exc:  # the shards disagree: the failed worker pushed to some only
+            version, inconsistent = -1, str(exc)
+        if not inconsistent:
+            inconsistent = rows_check(version)
     directive = member.coordinator.RejoinAt(
         pb.RejoinRequest(worker_id=worker_id, step=version, inconsistent=inconsistent), timeout=CONTROL_TIMEOUT_S
     )
     if directive.stop:
         log.error("cannot take over the slot of worker %d: %s", worker_id, directive.reason)
-        return False
+        return None
     log.info("worker %d takes over its slot at step %d", worker_id, version)
-    return True
+    return version
 
 
 def run(args: argparse.Namespace) -> int:

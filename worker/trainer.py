@@ -118,6 +118,7 @@ class Trainer:
         self._reporting: ThreadPoolExecutor | None = None  # one thread per run(), shut down when it returns
         self._report: Future[pb.Directive] | None = None
         self.buffers: SlotBufferCheckpoints | None = None  # issue 11: the slot's buffers in the checkpoints
+        self.start_at: int | None = None  # S2.5: a replacement's version (``pull_at``); None: the newest
         self.plan = plan_buckets(replicas.layout, ps.ranges, job.bucket_bytes)
         self.pusher = BucketPusher(
             self.plan,
@@ -159,7 +160,11 @@ class Trainer:
         return self._ran
 
     def _train(self) -> None:
-        version = self._retrying("pull", lambda: self.ps.pull(0, self.replicas.host_params))
+        version = self.start_at
+        if version is None:
+            version = self._retrying("pull", lambda: self.ps.pull(0, self.replicas.host_params))
+        else:  # a replacement (S2.5): exactly the version it rejoined at, though some pieces may be one past it
+            self._retrying("pull", lambda: self.ps.pull_at(version, self.replicas.host_params))
         self.replicas.load_parameters()
         if self.buffers is not None:
             self.buffers.restore(version)  # a resumed slot's buffers back, before its first forward
