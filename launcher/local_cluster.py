@@ -261,16 +261,10 @@ class LocalCluster:
         dead = [(proc.name, code) for proc in self.processes if (code := proc.popen.poll()) not in (None, 0)]
         if not dead:
             return
+        by_name = {proc.name: proc for proc in self.processes}
         if job_over:
-            for proc in [p for p in self.processes if (p.name, p.popen.poll()) in dead]:
-                print(
-                    f"pstrain local: {proc.name} exited with code {proc.popen.poll()} after the job ended; "
-                    f"not restarted",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.processes.remove(proc)
-                proc.log_file.close()
+            for name, code in dead:
+                self._drop(by_name[name], f"{name} exited with code {code} after the job ended; not restarted")
             return
         decision = supervise(
             dead,
@@ -280,24 +274,19 @@ class LocalCluster:
             self.coordinator_restarts,
             self.cfg.cluster.workers - self.cfg.cluster.least_workers - len(self.left_dead),
         )
-        by_name = {proc.name: proc for proc in self.processes}
         if decision.cluster is not None:
             name, code = decision.cluster
             raise ProcessDied(name, code, by_name[name].tail())
         for name, code in decision.left:
-            proc = by_name[name]
             self.left_dead.append(name)
-            print(
-                f"pstrain local: {name} exited with code {code} and is not restarted (restarts used: "
+            self._drop(
+                by_name[name],
+                f"{name} exited with code {code} and is not restarted (restarts used: "
                 f"{self.worker_restarts.get(name, 0)} of {self.cfg.fault.max_restarts}); the job goes on with "
                 f"{self.cfg.cluster.workers - len(self.left_dead)} workers once the coordinator drops its slot "
                 f"(after fault.replace_timeout_s {self.cfg.fault.replace_timeout_s:g}s; cluster.min_workers "
                 f"{self.cfg.cluster.least_workers})",
-                file=sys.stderr,
-                flush=True,
             )
-            self.processes.remove(proc)
-            proc.log_file.close()
         for name, code in decision.alone:
             proc = by_name[name]
             if name == "coordinator":
@@ -305,27 +294,27 @@ class LocalCluster:
                 continue
             restarts = self.worker_restarts.get(name, 0)
             self.worker_restarts[name] = restarts + 1
-            print(
-                f"pstrain local: {name} exited with code {code}; restarting it alone to take its slot back "
+            self._drop(
+                proc,
+                f"{name} exited with code {code}; restarting it alone to take its slot back "
                 f"(restart {restarts + 1} of {self.cfg.fault.max_restarts})",
-                file=sys.stderr,
-                flush=True,
             )
-            self.processes.remove(proc)
-            proc.log_file.close()
             self._spawn(name, "pstrain.worker", self._member_args)
+
+    def _drop(self, proc: ManagedProcess, why: str) -> None:
+        """Forget a dead child (saying why on stderr): it is let go, or started anew under the same name."""
+        print(f"pstrain local: {why}", file=sys.stderr, flush=True)
+        self.processes.remove(proc)
+        proc.log_file.close()
 
     def _restart_coordinator(self, proc: ManagedProcess, code: int) -> None:
         """The coordinator was killed: start it again alone, on its address; it takes the job back."""
         self.coordinator_restarts += 1
-        print(
-            f"pstrain local: the coordinator was killed (signal {-code}); restarting it alone to take the job back "
+        self._drop(
+            proc,
+            f"the coordinator was killed (signal {-code}); restarting it alone to take the job back "
             f"from its journal (restart {self.coordinator_restarts} of {self.cfg.fault.max_restarts})",
-            file=sys.stderr,
-            flush=True,
         )
-        self.processes.remove(proc)
-        proc.log_file.close()
         self._spawn("coordinator", "pstrain.coordinator", self._coordinator_args)
 
     def run(self) -> int:

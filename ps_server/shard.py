@@ -487,28 +487,12 @@ class ParameterShard:
         The published tensor is never written again (an update publishes a new one), so the
         caller holds no lock and a stalled reader never delays a step.
         """
-        deadline = time.monotonic() + timeout_s
         with self._cond:
-            while True:
-                self._check_open()
-                if self._version >= min_version:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WaitTimeout(
-                        f"shard {self.shard_id} is at version {self._version}; version {min_version} did not "
-                        f"appear within {timeout_s:.1f}s (are all {self.workers} workers pushing?)"
-                    )
-                self._cond.wait(remaining)
+            self._wait_for(min_version, timeout_s)
             version, published = self._version, self._published
             self._readers[id(published)] = self._readers.get(id(published), 0) + 1
-        try:
+        with self._lent(published):
             yield version, published
-        finally:
-            with self._cond:
-                left = self._readers.pop(id(published)) - 1
-                if left:
-                    self._readers[id(published)] = left
 
     def last_step_of(self, worker_id: int) -> int:
         """The last step ``worker_id`` contributed to here (-1: none since this shard was built)."""
@@ -526,19 +510,8 @@ class ParameterShard:
         is the spare of the double buffering: it costs nothing and lives until the next update, which cannot come
         before the replacement pushes.
         """
-        deadline = time.monotonic() + timeout_s
         with self._cond:
-            while True:
-                self._check_open()
-                if self._version >= version:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WaitTimeout(
-                        f"shard {self.shard_id} is at version {self._version}; version {version} did not appear "
-                        f"within {timeout_s:.1f}s"
-                    )
-                self._cond.wait(remaining)
+            self._wait_for(version, timeout_s)
             if self._version == version:
                 lent = self._published
             elif self._version == version + 1 and self._previous is not None:
@@ -549,13 +522,34 @@ class ParameterShard:
                     f"{version} is no longer kept (a shard keeps the one before its current version)"
                 )
             self._readers[id(lent)] = self._readers.get(id(lent), 0) + 1
-        try:
+        with self._lent(lent):
             yield lent
+
+    def _wait_for(self, version: int, timeout_s: float) -> None:
+        """Wait (the lock held) until the shard is at ``version`` or newer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_open()
+            if self._version >= version:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(
+                    f"shard {self.shard_id} is at version {self._version}; version {version} did not appear within "
+                    f"{timeout_s:.1f}s (are all {self.workers} workers pushing?)"
+                )
+            self._cond.wait(remaining)
+
+    @contextmanager
+    def _lent(self, buffer: torch.Tensor) -> Iterator[None]:
+        """Hand back a buffer counted in ``_readers`` (under the lock) once the reader is done with it."""
+        try:
+            yield
         finally:
             with self._cond:
-                left = self._readers.pop(id(lent)) - 1
+                left = self._readers.pop(id(buffer)) - 1
                 if left:
-                    self._readers[id(lent)] = left
+                    self._readers[id(buffer)] = left
 
     def parameters(self) -> tuple[int, torch.Tensor]:
         """A copy of the current parameters and their version (for tests and checkpoints)."""
