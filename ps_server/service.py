@@ -116,11 +116,9 @@ class _Versions:
         shard: ParameterShard | PiecedShard,
         chunk_bytes: int,
         loop: asyncio.AbstractEventLoop,
-        encode: bool = True,
     ) -> None:
         self._shard = shard
         self._chunk_bytes = chunk_bytes
-        self._encode = encode  # False: shared-memory pulls only need to know a version is out (no encoding)
         self._loop = loop
         self._latest: EncodedReplies | None = None
         self._closed: str | None = None
@@ -186,9 +184,7 @@ class _Versions:
             try:
                 with self._shard.read(want, FOLLOW_POLL_S) as (version, published):
                     # Encoded while the read lease keeps the shard from reusing this buffer.
-                    encoded = EncodedReplies(version, published if self._encode else _NOTHING, self._chunk_bytes)
-                    if self._encode:
-                        encoded.encode_all()
+                    encoded = EncodedReplies(version, published, self._chunk_bytes).encode_all()
             except WaitTimeout:
                 continue
             except PsError as exc:  # the shard closed: NotReady
@@ -214,9 +210,6 @@ class _Versions:
             self._posts += 1
         self._changed.set()  # wakes the pulls waiting now; later ones wait on a fresh event
         self._changed = asyncio.Event()
-
-
-_NOTHING = torch.empty(0)  # what a version marker (``encode=False``) holds
 
 
 class _Marks:

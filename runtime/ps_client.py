@@ -131,8 +131,8 @@ class _ShardStub:
             request_serializer=pb.PullAtRequest.SerializeToString,
             response_deserializer=_pull_reply,
         )
-        # Issue 12: a shared-memory (or bulk) pull's replies are header-only PullReply messages.
-        self.PullShared = channel.unary_stream(
+        # Issue 12: a bulk pull's replies (a Pull stream) are header-only PullReply messages.
+        self.PullHeaderOnly = channel.unary_stream(
             f"/{_SERVICE}/Pull",
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=pb.PullReply.FromString,
@@ -398,7 +398,7 @@ class PsClient:
         the shard aborted the call."""
         bulk_request = pb.PullRequest(bulk_ticket=bulk.ticket, bulk_numel=dest.numel())  # the shard checks the size
         bulk_request.MergeFrom(request)
-        call = self._stubs[r.shard_id].PullShared(bulk_request, timeout=self._pull_timeout_s)
+        call = self._stubs[r.shard_id].PullHeaderOnly(bulk_request, timeout=self._pull_timeout_s)
         bulk.abort_on_failure(call)  # type: ignore[arg-type]
         received = bulk.receive(dest, self._pull_timeout_s)
         try:
