@@ -63,6 +63,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from pstrain.runtime.buckets import DEFAULT_BUCKET_BYTES  # no gRPC: LocalCluster may still fork after this
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # job files and DDP's ranks import this module as ``bench.step``
 RESULTS = ROOT / "bench" / "results" / "step.md"
@@ -572,6 +574,8 @@ def write_results(
     losses = "\n".join(
         f"- {r.case.name}: {r.pstrain_runs[0]['loss_first']:.3f} -> {r.pstrain_runs[0]['loss_last']:.3f}" for r in rows
     )
+    default = f"the config default, {DEFAULT_BUCKET_BYTES >> 20} MiB"
+    buckets = default if args.bucket_bytes is None else f"{args.bucket_bytes} bytes"
     text = f"""# pstrain step time vs. PyTorch DDP (bench/step.py)
 
 - Run {now}, {wall_s:.0f} s in all; code: {_source()}.
@@ -612,8 +616,8 @@ CPU time per measured step, summed over all processes of each system (mean over 
 - **pstrain step**: median of the coordinator's `step_s` (`metrics.jsonl`, the interval between two step
   completions) over the measured steps.
 - pstrain overlaps communication with compute (S4): gradients leave in buckets of `transport.bucket_bytes`
-  ({"the config default, 4 MiB" if args.bucket_bytes is None else f"{args.bucket_bytes} bytes"}) while backward
-  runs, each shard updates each piece as soon as both workers pushed it, and the next forward waits per bucket.
+  ({buckets}) while backward runs, each shard updates each piece as soon as both workers pushed it, and the
+  next forward waits per bucket.
 - pstrain pushes gradients as `transport.push_dtype` = {args.push_dtype or "float32"} (bfloat16 halves the push
   bytes; the shards keep float32 weights and sums).
 - **compute / exposed push / exposed pull**: the workers' `pstrain_worker_{{compute,push,pull}}_seconds`
@@ -652,7 +656,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="DDP + pstrain runs per case, order alternating (default 2, --quick 1)")
     p.add_argument("--ps-shards", type=int, default=2, help="pstrain PS shard processes (default 2)")
     p.add_argument(
-        "--bucket-bytes", type=int, help="pstrain transport.bucket_bytes (default: the config's, 4 MiB; 0: one bucket)"
+        "--bucket-bytes",
+        type=int,
+        help=f"pstrain transport.bucket_bytes (default: the config's, {DEFAULT_BUCKET_BYTES >> 20} MiB; 0: one bucket)",
     )
     p.add_argument(
         "--push-dtype", choices=("float32", "bfloat16"), help="pstrain transport.push_dtype (default: float32)"

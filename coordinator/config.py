@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from pstrain.coordinator.errors import ConfigError
+from pstrain.runtime.buckets import DEFAULT_BUCKET_BYTES
 from pstrain.runtime.factories import BUILTIN_LOSSES
 from pstrain.runtime.optimizers import BadOption, OptimizerName, optimizer_entry
 from pstrain.runtime.sparse_rows import Averaging, TableInit, TableOptimizer, TableSpec
@@ -261,7 +262,7 @@ class TransportConfig:
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     """A member silent this long is declared failed."""
-    bucket_bytes: int = 4 * 1024 * 1024
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """S4: gradients are pushed in buckets of about this many bytes (whole parameters, backward order) while
     backward runs, and pulled back per bucket before the next forward needs them. 0: one bucket (push after
     backward; a step with a non-finite gradient is then never partly applied)."""

@@ -251,7 +251,7 @@ class PushReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("shard_id", "min_version", "piece_start", "shm_worker", "shm_nonce", "bulk_ticket", "bulk_numel")
+    __slots__ = ("shard_id", "min_version", "piece_start", "shm_worker", "shm_nonce", "bulk_ticket", "bulk_numel", "board")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PIECE_START_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class PullRequest(_message.Message):
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
     BULK_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BOARD_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     min_version: int
     piece_start: int
@@ -266,7 +267,8 @@ class PullRequest(_message.Message):
     shm_nonce: bytes
     bulk_ticket: bytes
     bulk_numel: int
-    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., piece_start: _Optional[int] = ..., shm_worker: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ..., bulk_numel: _Optional[int] = ...) -> None: ...
+    board: bool
+    def __init__(self, shard_id: _Optional[int] = ..., min_version: _Optional[int] = ..., piece_start: _Optional[int] = ..., shm_worker: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ..., bulk_numel: _Optional[int] = ..., board: _Optional[bool] = ...) -> None: ...
 
 class PullAtRequest(_message.Message):
     __slots__ = ("shard_id", "version")
@@ -277,12 +279,14 @@ class PullAtRequest(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("version", "chunk")
+    __slots__ = ("version", "chunk", "board_slot")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BOARD_SLOT_FIELD_NUMBER: _ClassVar[int]
     version: int
     chunk: TensorChunk
-    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+    board_slot: int
+    def __init__(self, version: _Optional[int] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., board_slot: _Optional[int] = ...) -> None: ...
 
 class ShardStatusRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -357,18 +361,24 @@ class ShmRequest(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ...) -> None: ...
 
 class ShmRegions(_message.Message):
-    __slots__ = ("push_path", "pull_path", "numel", "header_bytes", "nonce")
+    __slots__ = ("push_path", "pull_path", "numel", "header_bytes", "nonce", "board_path", "board_pieces", "board_nonce")
     PUSH_PATH_FIELD_NUMBER: _ClassVar[int]
     PULL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    BOARD_PATH_FIELD_NUMBER: _ClassVar[int]
+    BOARD_PIECES_FIELD_NUMBER: _ClassVar[int]
+    BOARD_NONCE_FIELD_NUMBER: _ClassVar[int]
     push_path: str
     pull_path: str
     numel: int
     header_bytes: int
     nonce: bytes
-    def __init__(self, push_path: _Optional[str] = ..., pull_path: _Optional[str] = ..., numel: _Optional[int] = ..., header_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    board_path: str
+    board_pieces: int
+    board_nonce: bytes
+    def __init__(self, push_path: _Optional[str] = ..., pull_path: _Optional[str] = ..., numel: _Optional[int] = ..., header_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., board_path: _Optional[str] = ..., board_pieces: _Optional[int] = ..., board_nonce: _Optional[bytes] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
     __slots__ = ("shard_id", "worker_id")

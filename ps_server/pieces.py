@@ -40,6 +40,7 @@ from pstrain.ps_server.layerwise import Layers
 from pstrain.ps_server.shard import PUSH_DTYPES, CheckpointPolicy, ParameterShard, PushResult, ShardSnapshot
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.shard_map import ShardRange
+from pstrain.runtime.shm_board import Board
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,20 @@ class PiecedShard:
         with ExitStack() as stack:
             lent = [stack.enter_context(p.read_at(version, max(0.0, deadline - time.monotonic()))) for p in pieces]
             yield lent[0] if len(lent) == 1 else torch.cat(lent)
+
+    def publish_on(self, board: Board) -> None:
+        """Issue 12: every piece publishes into its place on ``board`` (``ParameterShard.publish_on``)."""
+        if board.numel != self.numel or board.pieces != len(self.pieces):
+            raise InvalidArgument(
+                f"a board of {board.numel} elements in {board.pieces} pieces for a shard of {self.numel} in "
+                f"{len(self.pieces)}"
+            )
+        for index, p in enumerate(self.pieces):
+            p.publish_on(board.piece(index, p.start - self.start, p.numel))
+
+    def board_slot(self, piece_start: int, min_version: int) -> tuple[int, int] | None:
+        """A piece's newest version on the board and its slot, if ``min_version`` or newer (``ParameterShard``)."""
+        return self._piece_at(piece_start).board_slot(min_version)
 
     def _piece_at(self, piece_start: int) -> ParameterShard:
         piece = self._by_start.get(piece_start)

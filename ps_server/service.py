@@ -274,7 +274,9 @@ class ParameterServerServicer:
         self._chunk_bytes = chunk_bytes
         shard = as_pieced(shard)
         self._shard = shard
-        self._regions = SharedRegions(shard.start, shard.numel, self.shared_memory)
+        self._regions = SharedRegions(shard.start, shard.numel, self.shared_memory, len(shard.pieces))
+        if self._regions.board is not None:
+            shard.publish_on(self._regions.board)
         metrics.VERSION.set_function(lambda: shard.version)
         metrics.SHARD_BYTES.set_function(lambda: shard.snapshot().bytes_held)
         metrics.PUSHES_WAITING.set_function(lambda: shard.snapshot().pushes_waiting)
@@ -482,9 +484,9 @@ class ParameterServerServicer:
             raise InvalidArgument("PullShared names the caller's pull region (shm_worker, shm_nonce) and nothing else")
         started = time.perf_counter()
         piece = request.piece_start if request.HasField("piece_start") else None
-        version = await self._pull_shared(shard, piece, request, context)
+        version, slot = await self._pull_shared(shard, piece, request, context, board=request.board)
         metrics.PULL_SECONDS.observe(time.perf_counter() - started)
-        return pb.PullReply(version=version)
+        return pb.PullReply(version=version, board_slot=slot)
 
     @translate
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -494,7 +496,7 @@ class ParameterServerServicer:
         piece = request.piece_start if request.HasField("piece_start") else None
         started = time.perf_counter()
         if request.HasField("shm_worker"):
-            version = await self._pull_shared(shard, piece, request, context)
+            version, _ = await self._pull_shared(shard, piece, request, context)
             yield pb.PullReply(version=version).SerializeToString()
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
@@ -533,9 +535,15 @@ class ParameterServerServicer:
         metrics.BYTES_PULLED.inc(replies.numel * 4)
 
     async def _pull_shared(
-        self, shard: PiecedShard, piece: int | None, request: pb.PullRequest, context: grpc.aio.ServicerContext
-    ) -> int:
-        """Copy the piece (at ``min_version`` or newer) into the worker's pull region; its version."""
+        self,
+        shard: PiecedShard,
+        piece: int | None,
+        request: pb.PullRequest,
+        context: grpc.aio.ServicerContext,
+        board: bool = False,
+    ) -> tuple[int, int | None]:
+        """Copy the piece (at ``min_version`` or newer) into the worker's pull region: (its version, None). With
+        ``board``, a piece whose version is on the published board is not copied: (version, its board slot)."""
         metadata = context.invocation_metadata()
         if self.gate.keys is not None:  # only the worker itself is answered through its regions
             self.gate.keys.require(metadata, "worker", request.shm_worker)
@@ -544,6 +552,11 @@ class ParameterServerServicer:
         where = self.regions.span(piece, source.numel)
         with self.gate.pull(metadata, context.peer(), context.time_remaining()) as wait_s:
             await self._marks_of(piece, source).get(request.min_version, wait_s)
+        if board and piece is not None:
+            found = shard.board_slot(piece, request.min_version)
+            if found is not None:  # the worker copies it out of the board itself (and checks the stamp)
+                metrics.BYTES_PULLED.inc(source.numel * 4)
+                return found
 
         def put() -> int:
             with source.read(request.min_version, wait_s) as (version, published):
@@ -552,7 +565,7 @@ class ParameterServerServicer:
 
         version = await asyncio.to_thread(put)
         metrics.BYTES_PULLED.inc(source.numel * 4)
-        return version
+        return version, None
 
     def _marks_of(self, piece: int | None, source: ParameterShard | PiecedShard) -> _Marks:
         marks = self._marks.get(piece)
@@ -634,6 +647,9 @@ class ParameterServerServicer:
             numel=regions.numel,
             header_bytes=HEADER_BYTES,
             nonce=pair.nonce,
+            board_path=regions.board.path if regions.board is not None else "",
+            board_pieces=regions.board.pieces if regions.board is not None else 0,
+            board_nonce=regions.board.nonce if regions.board is not None else b"",
         )
 
     @translate

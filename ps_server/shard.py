@@ -54,6 +54,7 @@ from pstrain.ps_server.layerwise import Layers
 from pstrain.ps_server.optimizer import build_optimizer, step_on_mean
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.schedule import learning_rate
+from pstrain.runtime.shm_board import WRITING, PieceBoard
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class ParameterShard:
         # pieces only (``read_at``, S2.5).
         self._previous: torch.Tensor | None = None
         self._readers: dict[int, int] = {}  # id(published buffer) -> readers holding it
+        self._board: PieceBoard | None = None  # issue 12: published into shared memory (``publish_on``)
         self._accum = torch.zeros_like(initial)
         self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version), layers)
         if optimizer_state is not None:
@@ -470,13 +472,39 @@ class ParameterShard:
 
         Reusing the spare buffer costs a memcpy; a fresh 100 MB allocation per step would cost
         page faults several times that. A reader still holding the spare (a stalled pull) keeps
-        it: the shard then allocates instead of waiting.
+        it: the shard then allocates instead of waiting. On a board (``publish_on``) the two
+        buffers are its halves and each write is stamped; a buffer off the board holds a
+        version the board does not show, and its pulls are copied as before.
         """
+        board = self._board
+        if board is not None:
+            half = board.spare_half(self._published)
+            if not self._readers.get(id(board.halves[half])):
+                board.write(half, self._param.detach(), self._version + 1)
+                self._spare, self._published = self._published, board.halves[half]
+                return
         spare = self._spare
-        if spare is None or self._readers.get(id(spare)):
+        if spare is None or self._readers.get(id(spare)) or (board is not None and board.holds(spare)):
             spare = torch.empty_like(self._published)
         spare.copy_(self._param.detach())
         self._spare, self._published = self._published, spare
+
+    def publish_on(self, board: PieceBoard) -> None:
+        """Issue 12: publish into ``board`` (the shard's published board, ``runtime.shm_board``) from now on, so
+        that colocated workers copy each version straight out of it; the current version goes there now."""
+        if board.numel != self.numel:
+            raise InvalidArgument(f"a board piece of {board.numel} elements for a piece of {self.numel}")
+        with self._cond:
+            board.write(0, self._published, self._version)
+            board.stamps[1] = WRITING
+            self._published, self._spare = board.halves[0], board.halves[1]
+            self._board = board
+
+    def board_slot(self, min_version: int) -> tuple[int, int] | None:
+        """(version, board slot) of the newest version on the board if it is ``min_version`` or newer; lock-free
+        (the reader checks the slot's stamp after copying, ``Board.copy_out``)."""
+        board = self._board
+        return None if board is None else board.newest(min_version)
 
     # ------------------------------------------------------------------ pull
 

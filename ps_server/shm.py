@@ -21,11 +21,14 @@ acknowledged, so a float32 push is read straight from the region (``view``): the
 into the region is the only one before the accumulator. A bfloat16 push (``transport.push_dtype``;
 the region holds float32) is copied into a buffer of the pushed dtype (``take``). Pull: ``put``
 copies the published piece into the pull region: one copy; the worker then copies it into its
-destination.
+destination. With the shard's published board (``runtime.shm_board``, one per shard, mapped read-only by
+every colocated worker) a piece's pull names the board slot that holds the version and the shard copies
+nothing: the worker copies it out of the board once.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from dataclasses import dataclass
@@ -33,8 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from pstrain.ps_server.errors import InvalidArgument, PsError
-from pstrain.runtime import shm_region
-from pstrain.runtime.shm_region import HEADER_BYTES, Region
+from pstrain.runtime import shm_board, shm_region
+from pstrain.runtime.shm_board import Board
+from pstrain.runtime.shm_region import HEADER_BYTES, Region, ShmError
+
+log = logging.getLogger(__name__)
 
 
 class NotColocated(PsError):
@@ -71,13 +77,21 @@ class RegionPair:
 class SharedRegions:
     """The region pairs of one shard's workers (thread-safe; handlers run on the loop and in threads)."""
 
-    def __init__(self, start: int, numel: int, enabled: bool = True) -> None:
+    def __init__(self, start: int, numel: int, enabled: bool = True, pieces: int = 0) -> None:
+        """``pieces``: the shard's pieces, for its published board (none with 0, shared memory off, or where
+        ``shm_board.SUPPORTED`` is false)."""
         self.start = start
         self.numel = numel
         self.enabled = enabled
         self._pairs: dict[int, RegionPair] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self.board: Board | None = None
+        if enabled and pieces and shm_board.SUPPORTED:
+            try:
+                self.board = shm_board.create(numel, pieces)
+            except ShmError as exc:  # pulls are then copied into each worker's pull region, as before
+                log.warning("no published board in shared memory: %s", exc)
 
     def open(self, worker_id: int, peer: str) -> RegionPair:
         """A fresh pair for ``worker_id`` (replacing and unlinking its previous one)."""
@@ -118,6 +132,8 @@ class SharedRegions:
             pairs, self._pairs = list(self._pairs.values()), {}
         for pair in pairs:
             pair.close()
+        if self.board is not None:
+            self.board.close()
 
     @property
     def paths(self) -> list[str]:

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.shard_map import ShardRange
 
-DEFAULT_BUCKET_BYTES = 4 << 20
+# Measured (bench/step.py, issue 12): on the 2-core CPU benchmark 8 MiB buckets cost the shards and workers less
+# per step than 4 MiB (fewer pieces, calls and wake-ups) and still leave several buckets for an 8.4M-parameter
+# model to overlap; 16 MiB and more, or one bucket, expose more of the push and pull.
+DEFAULT_BUCKET_BYTES = 8 << 20
 ELEMENT_BYTES = 4  # float32 on the wire and at the PS
 
 
@@ -85,7 +88,7 @@ def bucket_bounds(layout: ParamLayout, bucket_bytes: int) -> list[tuple[int, int
     held = 0
     for i in reversed(range(count)):
         # A parameter bigger than the target is a bucket alone. One of exactly the target's size is not: it closes
-        # the bucket it joins (a Linear(1024)'s 4 MiB weight and its bias make one bucket of the default 4 MiB, not
+        # the bucket it joins (a Linear(1024)'s 4 MiB weight and its bias make one bucket of 4 MiB, not
         # a bias-only bucket and a weight-only one: half the pushes and pulls per step, each with its RPC cost).
         if sizes[i] > limit and held:
             bounds.append(_bound(layout, members, sizes))

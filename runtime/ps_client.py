@@ -69,7 +69,7 @@ from pstrain.runtime.ps_api import (
 )
 from pstrain.runtime.security import INSECURE, TransportSecurity
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
-from pstrain.runtime.shm_client import SharedMemory
+from pstrain.runtime.shm_client import MappedPair, SharedMemory
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, full_service_name, open_channel
 
 T = TypeVar("T")
@@ -415,6 +415,35 @@ class PsClient:
         self.shared.count(streamed=r.numel * 4)
         return replies[0].version
 
+    def _pull_shared(
+        self, r: ShardRange, request: pb.PullRequest, dest: torch.Tensor, regions: MappedPair, board: bool
+    ) -> int | None:
+        """One unary call: the shard names the piece's board slot (``board``) or copies it into the pull region;
+        None if the shard refused the regions (the caller streams)."""
+        shared = pb.PullRequest(shm_worker=regions.worker_id, shm_nonce=regions.nonce, board=board)
+        shared.MergeFrom(request)
+        try:
+            reply = self._stubs[r.shard_id].PullShm(shared, timeout=self._pull_timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() not in _SHM_REFUSED:
+                raise
+            self.shared.disable(r.shard_id)
+            return None
+        if reply.HasField("chunk"):
+            raise CodecError("a shared-memory pull is answered with one header-only reply")
+        where = self.shared.span(r)
+        if reply.HasField("board_slot"):
+            if regions.board is None or not board:
+                raise CodecError("the shard named a board slot for a pull that did not ask for one")
+            if regions.board.copy_out(reply.board_slot, reply.version, where, dest):  # the payload's one copy
+                self.shared.count(shared=r.numel * 4, board_pulls=1)
+                return reply.version
+            self.shared.count(board_retries=1)  # the half moved on under the copy: the shard copies it this time
+            return self._pull_shared(r, request, dest, regions, board=False)
+        dest.copy_(regions.pull.data[where])  # the payload's one copy on this side
+        self.shared.count(shared=r.numel * 4)
+        return reply.version
+
     def _pull_one(self, r: ShardRange, min_version: int, dest: torch.Tensor, is_piece: bool = False) -> int:
         assembler = TensorAssembler(torch.float32, r.numel, out=dest)
         version = -1
@@ -423,20 +452,9 @@ class PsClient:
             request.piece_start = r.start
         regions = self.shared.for_pull(r.shard_id)
         if regions is not None:
-            shared = pb.PullRequest(shm_worker=regions.worker_id, shm_nonce=regions.nonce)
-            shared.MergeFrom(request)
-            try:
-                replies = [self._stubs[r.shard_id].PullShm(shared, timeout=self._pull_timeout_s)]  # one unary call
-            except grpc.RpcError as exc:
-                if exc.code() not in _SHM_REFUSED:
-                    raise
-                self.shared.disable(r.shard_id)
-            else:
-                if replies[0].HasField("chunk"):
-                    raise CodecError("a shared-memory pull is answered with one header-only reply")
-                dest.copy_(regions.pull.data[self.shared.span(r)])  # the payload's one copy on this side
-                self.shared.count(shared=r.numel * 4)
-                return replies[0].version
+            got = self._pull_shared(r, request, dest, regions, board=is_piece and regions.board is not None)
+            if got is not None:
+                return got
         bulk = self.bulk.checkout(r.shard_id, None) if dest.is_contiguous() else None
         if bulk is not None:
             got = self._pull_bulk(r, request, dest, bulk)

@@ -9,6 +9,10 @@ push itself). A shard that later refuses the regions (ABORTED: it replaced or dr
 them off for that shard, and the call is streamed instead.
 
 Pushes for a worker other than the regions' own, and pulls before the first push, stream.
+
+A piece's pull asks the shard to name where the version lies on its published board (``runtime.shm_board``,
+mapped read-only next to the regions) and copies it from there, checking the board's stamp after the copy; a
+board that does not map, or a copy the stamp refuses, means the shard copies the piece into the pull region.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from dataclasses import dataclass
 import grpc
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.runtime import shm_region
+from pstrain.runtime import shm_board, shm_region
 from pstrain.runtime.shard_map import ShardRange
+from pstrain.runtime.shm_board import Board
 from pstrain.runtime.shm_region import Region, ShmError
 
 log = logging.getLogger(__name__)
@@ -37,10 +42,13 @@ class MappedPair:
     nonce: bytes
     push: Region
     pull: Region
+    board: Board | None = None  # the shard's published board (read-only), where it offers one and it maps
 
     def close(self) -> None:
         self.push.close()
         self.pull.close()
+        if self.board is not None:
+            self.board.close()
 
 
 @dataclass
@@ -49,6 +57,8 @@ class TransportCounts:
 
     shared_bytes: int = 0
     streamed_bytes: int = 0
+    board_pulls: int = 0  # piece pulls copied straight out of a shard's published board
+    board_retries: int = 0  # of those, copies the board's stamp refused (pulled again through the pull region)
 
 
 class SharedMemory:
@@ -103,10 +113,12 @@ class SharedMemory:
         """The shards this client talks to through shared memory."""
         return [i for i, s in enumerate(self._state) if isinstance(s, MappedPair)]
 
-    def count(self, shared: int = 0, streamed: int = 0) -> None:
+    def count(self, shared: int = 0, streamed: int = 0, board_pulls: int = 0, board_retries: int = 0) -> None:
         with self._count_lock:
             self.counts.shared_bytes += shared
             self.counts.streamed_bytes += streamed
+            self.counts.board_pulls += board_pulls
+            self.counts.board_retries += board_retries
 
     def close(self) -> None:
         """Ask each shard to unlink this client's regions (best effort: a stopping shard unlinks them itself)."""
@@ -152,5 +164,17 @@ class SharedMemory:
             log.info("shard %d: %s; streaming", shard_id, exc)
             self._release(shard_id, worker_id)
             return _OFF
-        log.info("shard %d: pushes and pulls go through shared memory", shard_id)
-        return MappedPair(worker_id, reply.nonce, push, pull)
+        board = None
+        if reply.board_path:
+            try:
+                board = shm_board.attach(reply.board_path, reply.numel, reply.board_pieces, reply.board_nonce)
+            except ShmError as exc:  # another pid namespace, say: its pulls are copied into the pull region
+                log.info(
+                    "shard %d: cannot map its published board (%s); pulls are copied for this worker", shard_id, exc
+                )
+        log.info(
+            "shard %d: pushes and pulls go through shared memory%s",
+            shard_id,
+            " (pulls from its board)" if board else "",
+        )
+        return MappedPair(worker_id, reply.nonce, push, pull, board)

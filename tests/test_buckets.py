@@ -95,9 +95,9 @@ def test_whole_shard_push_and_read_equal_the_pieces_and_checkpoints_join() -> No
         assert part is not None and part["state"][0]["momentum_buffer"].numel() == piece.numel
 
 
-def test_transport_bucket_bytes_is_validated_and_defaults_to_4_mib() -> None:
+def test_transport_bucket_bytes_is_validated_and_defaults_to_8_mib() -> None:
     base = {"model": {"factory": "m:f"}, "data": {"factory": "d:f"}}
-    assert parse_config(base).transport.bucket_bytes == 4 << 20
+    assert parse_config(base).transport.bucket_bytes == 8 << 20
     assert parse_config({**base, "transport": {"bucket_bytes": 0}}).transport.bucket_bytes == 0
     with pytest.raises(ConfigError, match=r"transport\.bucket_bytes"):
         parse_config({**base, "transport": {"bucket_bytes": 100}})

@@ -1,0 +1,195 @@
+"""The shard's published board (issue 12): colocated workers copy each version straight out of shared memory.
+
+A shard publishes every version into one of two halves of its board and stamps it; a piece's pull names the
+slot and the worker copies it out, checking the stamp afterwards. What must hold: the board shows exactly the
+versions the shard published (a half a reader still holds is never rewritten: that version goes off the board
+and is copied as before), a copy the stamp refuses is pulled again through the pull region, the results equal
+streaming bit for bit, a client that cannot map the board still gets its pulls copied, and a board dies with
+its shard (no name in ``/dev/shm``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.ps_server.shard import ParameterShard
+from pstrain.ps_server.shm import SharedRegions
+from pstrain.runtime import shm_board
+from pstrain.runtime.shm_board import WRITING, Board
+from pstrain.runtime.shm_region import ShmError
+from pstrain.runtime.transport import open_channel
+from tests.test_shm_path import TOTAL, Cluster, pieces_of, start_cluster, train
+
+pytestmark = pytest.mark.skipif(not shm_board.SUPPORTED, reason="the published board is x86-64 only")
+
+SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)
+LR = pb.LrSchedule(scaled_lr=0.1)
+N = 64
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = start_cluster()
+    yield c
+    c.stop()
+
+
+def _step(shard: ParameterShard, step: int) -> None:
+    shard.push(0, step, torch.full((N,), float(step + 1)), 1)
+
+
+def test_each_version_goes_into_the_other_half_with_its_stamp() -> None:
+    board = shm_board.create(N, 1)
+    try:
+        shard = ParameterShard(0, 0, N, torch.randn(N), SGD, LR, workers=1)
+        piece = board.piece(0, 0, N)
+        shard.publish_on(piece)
+        assert board.stamps.tolist() == [0, WRITING]
+        assert torch.equal(board.halves[0], shard.parameters()[1])
+        for step in range(3):
+            _step(shard, step)
+            half = (step + 1) % 2
+            assert board.stamp(half) == step + 1 and board.stamp(1 - half) == step
+            assert torch.equal(board.halves[half], shard.parameters()[1])
+            assert shard.board_slot(step + 1) == (step + 1, half)
+            assert shard.board_slot(step + 2) is None  # not published yet
+            with shard.read(step + 1, 1.0) as (_, published):
+                assert published is piece.halves[half]  # in-process readers read the board too
+    finally:
+        board.close()
+
+
+def test_a_half_a_reader_holds_is_never_rewritten_and_its_version_goes_off_the_board() -> None:
+    board = shm_board.create(N, 1)
+    try:
+        shard = ParameterShard(0, 0, N, torch.randn(N), SGD, LR, workers=1)
+        shard.publish_on(board.piece(0, 0, N))
+        _step(shard, 0)  # version 1 in half 1
+        with shard.read_at(0, 1.0) as held:  # a reader holds version 0 (half 0)
+            before = held.clone()
+            _step(shard, 1)  # version 2 would go into half 0: held, so off the board
+            assert torch.equal(board.halves[0], before) and board.stamps.tolist() == [0, 1]
+            assert shard.board_slot(2) is None and shard.board_slot(1) == (1, 1)
+        _step(shard, 2)  # version 3: into the older half (0), the board in use again
+        assert board.stamps.tolist() == [3, 1]
+        assert torch.equal(board.halves[0], shard.parameters()[1])
+        _step(shard, 3)
+        assert board.stamps.tolist() == [3, 4] and torch.equal(board.halves[1], shard.parameters()[1])
+    finally:
+        board.close()
+
+
+def test_a_copy_counts_only_if_the_stamp_still_names_the_version() -> None:
+    board = shm_board.create(N, 2)
+    try:
+        seen = shm_board.attach(board.path, N, 2, board.nonce)  # the worker's end: read-only
+        piece = board.piece(1, 16, 8)
+        piece.write(1, torch.arange(8.0), 5)
+        dest = torch.zeros(8)
+        assert seen.copy_out(3, 5, slice(16, 24), dest) and torch.equal(dest, torch.arange(8.0))
+        assert not seen.copy_out(3, 4, slice(16, 24), dest)  # another version
+        assert not seen.copy_out(2, 5, slice(16, 24), dest)  # the other half
+        assert not seen.copy_out(9, 5, slice(16, 24), dest)  # no such slot
+        piece.stamps[1] = WRITING
+        assert not seen.copy_out(3, 5, slice(16, 24), dest)  # being written
+        seen.close()
+        with pytest.raises(ShmError):
+            shm_board.attach(board.path, N, 2, b"x" * 16)  # not the nonce announced
+        with pytest.raises(ShmError):
+            shm_board.attach(board.path, N + 1, 2, board.nonce)  # not the size
+        with pytest.raises(ShmError):
+            shm_board.attach("/dev/shm/elsewhere", N, 2, board.nonce)
+    finally:
+        board.close()
+
+
+def test_the_board_has_no_name_and_goes_with_the_shard() -> None:
+    regions = SharedRegions(0, N, True, pieces=2)
+    board = regions.board
+    assert board is not None and board.path.startswith(f"/proc/{os.getpid()}/fd/")
+    assert os.readlink(board.path).startswith("/memfd:pstrain-board")  # no file in /dev/shm
+    regions.close()
+    assert board._fd is None and board.halves[0].numel() == 0
+    assert SharedRegions(0, N, False, pieces=2).board is None  # shared memory off: no board
+
+
+def test_pulls_come_from_the_board_and_equal_streaming_bit_for_bit() -> None:
+    results = {}
+    for shared in (False, True):
+        c = start_cluster()
+        try:
+            params, clients = train(c, shared)
+            for client in clients:
+                counts = client.shared.counts
+                pulls = 3 * len(pieces_of(client.ranges[0])) * len(client.ranges)  # steps x pieces
+                assert counts.board_pulls == (pulls if shared else 0) and counts.board_retries == 0
+                client.close()
+            results[shared] = params
+        finally:
+            c.stop()
+    assert torch.equal(results[True], results[False])
+
+
+def test_a_copy_the_stamp_refuses_is_pulled_again_through_the_pull_region(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusals = [2]
+    real = Board.copy_out
+
+    def refuse_twice(self: Board, slot: int, version: int, where: slice, dest: torch.Tensor) -> bool:
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            return False  # as if the half moved on under the copy
+        return real(self, slot, version, where, dest)
+
+    monkeypatch.setattr(Board, "copy_out", refuse_twice)
+    params, clients = train(cluster, True, steps=2)
+    streamed = start_cluster()
+    try:
+        expected, others = train(streamed, False, steps=2)
+        for other in others:
+            other.close()
+    finally:
+        streamed.stop()
+    assert torch.equal(params, expected)
+    assert sum(c.shared.counts.board_retries for c in clients) == 2
+    for client in clients:
+        client.close()
+
+
+def test_a_client_that_cannot_map_the_board_gets_its_pulls_copied(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def cannot(*args: object) -> Board:
+        raise ShmError("another pid namespace")
+
+    monkeypatch.setattr(shm_board, "attach", cannot)
+    _, clients = train(cluster, True, steps=2)
+    for client in clients:
+        assert client.shared.active == [0, 1] and client.shared.counts.board_pulls == 0
+        assert client.shared.counts.shared_bytes == 2 * 2 * TOTAL * 4  # still shared memory both ways
+        client.close()
+
+
+def test_a_board_pull_of_a_whole_shard_or_without_the_flag_is_copied(cluster: Cluster) -> None:
+    stub = pb_grpc.ParameterServerStub(open_channel(cluster.addresses[0]))
+    reply = stub.OpenSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
+    assert reply.board_path and reply.board_pieces == len(cluster.shards[0].pieces)
+    piece = cluster.shards[0].pieces[1]
+    base = pb.PullRequest(shard_id=0, min_version=0, shm_worker=0, shm_nonce=reply.nonce)
+    named = pb.PullRequest(board=True, piece_start=piece.start)
+    named.MergeFrom(base)
+    assert stub.PullShared(named, timeout=10).board_slot == 2  # piece 1, half 0
+    plain = pb.PullRequest(piece_start=piece.start)
+    plain.MergeFrom(base)
+    assert not stub.PullShared(plain, timeout=10).HasField("board_slot")
+    whole = pb.PullRequest(board=True)
+    whole.MergeFrom(base)
+    assert not stub.PullShared(whole, timeout=10).HasField("board_slot")
+    stub.CloseSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
