@@ -20,11 +20,17 @@ and otherwise the worker pulls again the old way (the shard copies into its pull
 in order and loads in order, which is what the stamps need; other platforms get no board (``SUPPORTED``).
 
 A process killed with SIGKILL leaks nothing: the memfd has no name and lives as long as its mappings.
+
+Who can touch it: opening ``/proc/<pid>/fd/<fd>`` needs the shard's uid (and ptrace access), and the path is
+handed out only by the token-gated ``OpenSharedMemory``. Beyond that the memfd is *sealed* once the shard has
+mapped it: no new writable mapping, no ``write(2)``, no resizing, so even a process that opens it read-write can
+only read. The shard's own mapping, made before the seal, stays the only writable one. A kernel without
+``F_SEAL_FUTURE_WRITE`` (before Linux 5.1) gets no board.
 """
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import mmap
 import os
 import platform
@@ -39,11 +45,15 @@ import torch
 from pstrain.runtime.shm_region import ShmError
 
 MAGIC = b"PSTRBRD1"
-HEADER_BYTES = 4096
+PAGE = 4096  # the halves start on a page boundary, after the header page and the stamps
+HEADER_BYTES = PAGE
 WRITING = -1  # a stamp while the shard writes that half
-PAGE = 4096
 _HEADER = struct.Struct("<8s16sqq")  # magic, nonce, numel, pieces
-_PATH = re.compile(r"/proc/(\d+)/fd/(\d+)")
+_PATH = re.compile(r"/proc/\d+/fd/\d+")
+_MEMFD_NAME = "pstrain-board"
+# No writable mapping or write(2) after the seal (the shard's own mapping predates it), no resizing, no unsealing.
+F_SEAL_FUTURE_WRITE = 0x10  # Linux 5.1; Python's fcntl does not name it
+_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # The stamp protocol relies on stores (and loads) staying in program order, which x86-64 guarantees.
 SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -54,10 +64,11 @@ def stamps_bytes(pieces: int) -> int:
 
 
 def board_bytes(numel: int, pieces: int) -> int:
+    """The memfd's size: header, stamps, and the two halves."""
     return HEADER_BYTES + stamps_bytes(pieces) + 2 * 4 * numel
 
 
-@dataclass
+@dataclass(eq=False)
 class Board:
     """One mapped board. ``halves`` view the two buffers, ``stamps`` the versions they hold (per piece)."""
 
@@ -67,7 +78,7 @@ class Board:
     pieces: int
     stamps: torch.Tensor  # int64, 2 per piece
     halves: tuple[torch.Tensor, torch.Tensor]
-    _map: mmap.mmap
+    _map: mmap.mmap | None
     _fd: int | None = None  # the shard's memfd (the board's only handle besides the mappings)
 
     def stamp(self, slot: int) -> int:
@@ -93,14 +104,18 @@ class Board:
         return self.stamp(slot) == version
 
     def close(self) -> None:
-        """Drop this end's mapping (and the shard's descriptor). Views held elsewhere keep the pages alive."""
+        """Drop this end's references (and the shard's descriptor); the pages are unmapped with the last view.
+
+        Never ``mmap.close()`` here: ``torch.frombuffer`` keeps the mmap object alive but does not hold a buffer
+        export, so closing the map would succeed and leave the shard's published buffers (or a worker's in-flight
+        copy) pointing at unmapped memory. Each view holds a reference to the mmap; it goes with the last one.
+        """
         self.stamps = torch.empty(0, dtype=torch.int64)
         self.halves = (torch.empty(0), torch.empty(0))
+        self._map = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        with contextlib.suppress(BufferError):  # a view is still in use: unmapped with it
-            self._map.close()
 
 
 @dataclass
@@ -150,7 +165,7 @@ def create(numel: int, pieces: int, nonce: bytes | None = None) -> Board:
     nonce = nonce or secrets.token_bytes(16)
     size = board_bytes(numel, pieces)
     try:
-        fd = os.memfd_create("pstrain-board", os.MFD_CLOEXEC)
+        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError) as exc:
         raise ShmError(f"cannot create a memfd for the board: {exc}") from exc
     try:
@@ -160,6 +175,12 @@ def create(numel: int, pieces: int, nonce: bytes | None = None) -> Board:
     except OSError as exc:
         os.close(fd)
         raise ShmError(f"cannot size the board ({size} bytes): {exc}") from exc
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError as exc:  # before Linux 5.1: a board that anyone who opens it could write is no board
+        mapped.close()
+        os.close(fd)
+        raise ShmError(f"cannot seal the board against writes by others (needs Linux 5.1 or newer): {exc}") from exc
     mapped[: _HEADER.size] = _HEADER.pack(MAGIC, nonce, numel, pieces)
     board = _view(f"/proc/{os.getpid()}/fd/{fd}", nonce, numel, pieces, mapped)
     board._fd = fd
@@ -173,12 +194,17 @@ def attach(path: str, numel: int, pieces: int, nonce: bytes) -> Board:
         raise ShmError(f"{path!r} is not a board (expected /proc/<pid>/fd/<fd>)")
     size = board_bytes(numel, pieces)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # never block on a FIFO put in its place
     except OSError as exc:
         raise ShmError(f"cannot open the board {path}: {exc}") from exc
     try:
-        if os.fstat(fd).st_size != size:
-            raise ShmError(f"the board {path} holds {os.fstat(fd).st_size} bytes, expected {size}")
+        found_size = os.fstat(fd).st_size
+        if not os.readlink(path).startswith(f"/memfd:{_MEMFD_NAME}"):
+            raise ShmError(f"{path} is not a pstrain board memfd")
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+            raise ShmError(f"the board {path} is not sealed against writes")
+        if found_size != size:
+            raise ShmError(f"the board {path} holds {found_size} bytes, expected {size}")
         mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except OSError as exc:
         raise ShmError(f"cannot map the board {path}: {exc}") from exc

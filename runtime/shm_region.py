@@ -47,17 +47,20 @@ class Region:
     path: str
     nonce: bytes
     data: torch.Tensor
-    _map: mmap.mmap
+    _map: mmap.mmap | None
 
     @property
     def numel(self) -> int:
         return self.data.numel()
 
     def close(self) -> None:
-        """Drop this end's mapping. Views still held elsewhere keep the pages alive until they go."""
+        """Drop this end's references; the pages are unmapped with the last view of them.
+
+        Never ``mmap.close()`` here: ``torch.frombuffer`` keeps the mmap object alive but holds no buffer export,
+        so closing the map would succeed under an in-flight copy and leave it reading unmapped memory.
+        """
         self.data = torch.empty(0)
-        with contextlib.suppress(BufferError):  # a view is still in use (an in-flight copy): unmapped with it
-            self._map.close()
+        self._map = None
 
 
 def create(numel: int, nonce: bytes, directory: str = SHM_DIR) -> Region:

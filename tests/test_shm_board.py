@@ -10,8 +10,12 @@ its shard (no name in ``/dev/shm``).
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +121,87 @@ def test_the_board_has_no_name_and_goes_with_the_shard() -> None:
     regions.close()
     assert board._fd is None and board.halves[0].numel() == 0
     assert SharedRegions(0, N, False, pieces=2).board is None  # shared memory off: no board
+
+
+def test_a_shard_keeps_publishing_after_its_regions_are_closed() -> None:
+    """``ps_server.main`` closes shared memory before the server stops: the shard's published buffers are views
+    of the board and must stay mapped until the last of them goes (closing the map under them would crash)."""
+    reference = ParameterShard(0, 0, N, torch.ones(N), SGD, LR, workers=1)
+    shard = ParameterShard(0, 0, N, torch.ones(N), SGD, LR, workers=1)
+    regions = SharedRegions(0, N, True, pieces=1)
+    assert regions.board is not None
+    shard.publish_on(regions.board.piece(0, 0, N))
+    regions.close()
+    gc.collect()
+    for step in range(3):
+        _step(reference, step)
+        _step(shard, step)  # writes into the board's halves
+    assert torch.equal(shard.parameters()[1], reference.parameters()[1])
+    assert shard.board_slot(3) == (3, 1)
+
+
+def test_the_board_is_sealed_so_only_the_shard_can_write_it(tmp_path: Path) -> None:
+    board = shm_board.create(N, 1)
+    try:
+        fd = os.open(board.path, os.O_RDWR)  # same uid, read-write: the seals still say no
+        try:
+            with pytest.raises(PermissionError):
+                os.write(fd, b"x")
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, shm_board.board_bytes(N, 1))
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
+        board.piece(0, 0, N).write(0, torch.full((N,), 2.0), 7)  # the shard's own mapping predates the seal
+        seen = shm_board.attach(board.path, N, 1, board.nonce)
+        assert seen.stamp(0) == 7 and torch.equal(seen.halves[0], torch.full((N,), 2.0))
+        seen.close()
+    finally:
+        board.close()
+    unsealed = os.memfd_create("pstrain-board", os.MFD_CLOEXEC)  # right name and size, but writable by anyone
+    plain = os.open(tmp_path / "board", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        for fd in (unsealed, plain):
+            os.ftruncate(fd, shm_board.board_bytes(N, 1))
+            with pytest.raises(ShmError):
+                shm_board.attach(f"/proc/{os.getpid()}/fd/{fd}", N, 1, b"n" * 16)
+    finally:
+        os.close(unsealed)
+        os.close(plain)
+
+
+def test_a_copy_racing_the_writer_is_never_accepted_torn() -> None:
+    """The seqlock under a real race: one thread keeps rewriting a half while another copies it out through the
+    read-only mapping. Every copy that ``copy_out`` accepts must hold one version, whole."""
+    numel = 1 << 18
+    board = shm_board.create(numel, 1)
+    seen = shm_board.attach(board.path, numel, 1, board.nonce)
+    piece = board.piece(0, 0, numel)
+    done = threading.Event()
+
+    def write() -> None:
+        for version in range(1, 300):
+            piece.write(0, torch.full((numel,), float(version)), version)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    accepted = 0
+    dest = torch.empty(numel)
+    writer.start()
+    try:
+        while not done.is_set():
+            version = seen.stamp(0)
+            if version == WRITING:
+                continue
+            if seen.copy_out(0, version, slice(0, numel), dest):
+                accepted += 1
+                assert dest.min().item() == dest.max().item() == float(version)
+    finally:
+        writer.join(timeout=60)
+        seen.close()
+        board.close()
+    assert accepted > 0
 
 
 def test_pulls_come_from_the_board_and_equal_streaming_bit_for_bit() -> None:
