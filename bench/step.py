@@ -17,8 +17,9 @@ For each case (8 x Linear(1024) MLP at 64 and 256 samples per process, a small t
   ``GetJobStatus``), scraped when the last warm-up step and the last measured step complete:
   histogram sum / count deltas give the mean over exactly the measured steps of the worker's
   compute (batch + forward/backward, with the per-bucket pushes running beside backward), exposed
-  push (the wait for acknowledgements after backward), exposed pull (forward's waits for buckets
-  of new parameters) and the shard's optimizer update (summed over its pieces).
+  push (the wait for acknowledgements after backward; for colocated pieces, pushed and pulled in one
+  call, this includes the pull), exposed pull (forward's waits for buckets of new parameters) and the
+  shard's optimizer update (summed over its pieces).
   ``--bucket-bytes`` sets pstrain's ``transport.bucket_bytes`` (S4 overlap; 0: one bucket).
 * CPU per step, both systems: DDP's ranks time ``time.process_time()`` over their measured steps; pstrain's
   members report ``process_cpu_seconds_total`` in the same two scrapes. On a machine whose cores every
@@ -46,7 +47,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +64,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from pstrain.runtime.buckets import DEFAULT_BUCKET_BYTES  # no gRPC: LocalCluster may still fork after this
+from pstrain.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # job files and DDP's ranks import this module as ``bench.step``
@@ -237,18 +238,12 @@ def _ddp_rank(rank: int, case: Case, port: int, steps: Steps, result: str) -> No
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ddp(case: Case, steps: Steps, work: Path) -> dict[str, Any]:
     """Per measured step, the slower rank's iteration (``step_s``) and its ``no_sync`` iteration (``compute_s``)."""
     import torch.multiprocessing as mp
 
     result = work / "ddp.json"
-    mp.spawn(_ddp_rank, args=(case, _free_port(), steps, str(result)), nprocs=PROCESSES, join=True)
+    mp.spawn(_ddp_rank, args=(case, free_port(), steps, str(result)), nprocs=PROCESSES, join=True)
     ranks = json.loads(result.read_text())
     return {
         "step_s": [max(values) for values in zip(*(r["times"] for r in ranks), strict=True)],
@@ -625,7 +620,9 @@ CPU time per measured step, summed over all processes of each system (mean over 
   complete; mean over the measured steps of both workers. Compute: next batch + forward/backward (with the
   per-bucket host sums and pushes running beside it), without forward's waits for parameters. Exposed push:
   the wait for the pushes' acknowledgements after backward. Exposed pull: the time forward waited for
-  buckets of new parameters (it includes waiting for the slower worker and the shards' updates).
+  buckets of new parameters (it includes waiting for the slower worker and the shards' updates). A colocated
+  piece's push and pull are one call whose acknowledgement comes with the new version, so its whole wait
+  counts as exposed push: read the sum of the two.
   **update**: the shards' `pstrain_ps_update_seconds` summed over a shard's pieces, mean per shard and step
   (the shards update their ranges in parallel, and pieces while backward still runs).
 - **CPU ms/step**: DDP: `time.process_time()` of each rank over its measured steps, summed over the ranks, per

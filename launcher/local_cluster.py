@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ from tqdm import tqdm
 from pstrain.coordinator.config import JobConfig
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.ports import free_port
 from pstrain.runtime.security import TransportSecurity
 from pstrain.runtime.transport import open_channel
 
@@ -135,13 +135,6 @@ def supervise(
         return Supervision(None, tuple(alone), tuple(left))
     mendable = [death for death in others if death[1] not in RestartPolicy.NOT_RETRIED]
     return Supervision((mendable or others)[0])
-
-
-def free_port() -> int:
-    """A port nothing listens on now; the coordinator binds it a moment later (SO_REUSEADDR)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

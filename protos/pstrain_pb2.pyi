@@ -207,7 +207,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip", "piece_start", "shm_nonce", "bulk_ticket")
+    __slots__ = ("shard_id", "worker_id", "step", "device_count", "dtype", "numel", "skip", "piece_start", "shm_nonce", "bulk_ticket", "pull_after")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class PushHeader(_message.Message):
     PIECE_START_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     BULK_TICKET_FIELD_NUMBER: _ClassVar[int]
+    PULL_AFTER_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     worker_id: int
     step: int
@@ -228,7 +229,8 @@ class PushHeader(_message.Message):
     piece_start: int
     shm_nonce: bytes
     bulk_ticket: bytes
-    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ..., piece_start: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ...) -> None: ...
+    pull_after: bool
+    def __init__(self, shard_id: _Optional[int] = ..., worker_id: _Optional[int] = ..., step: _Optional[int] = ..., device_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., skip: _Optional[bool] = ..., piece_start: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., bulk_ticket: _Optional[bytes] = ..., pull_after: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -239,16 +241,18 @@ class PushRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("version", "duplicate", "completed", "skipped")
+    __slots__ = ("version", "duplicate", "completed", "skipped", "pulled")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     version: int
     duplicate: bool
     completed: bool
     skipped: bool
-    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    pulled: PullReply
+    def __init__(self, version: _Optional[int] = ..., duplicate: _Optional[bool] = ..., completed: _Optional[bool] = ..., skipped: _Optional[bool] = ..., pulled: _Optional[_Union[PullReply, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("shard_id", "min_version", "piece_start", "shm_worker", "shm_nonce", "bulk_ticket", "bulk_numel", "board")

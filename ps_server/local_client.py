@@ -39,6 +39,7 @@ from pstrain.runtime.ps_api import (
     check_pieces,
     check_pull_buffer,
     check_push_buffer,
+    push_then_pull,
     round_push,
 )
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
@@ -111,6 +112,18 @@ class LocalPsClient:
         check_pieces(pieces, self.ranges)
         return self._push(None, worker_id, step, device_count, pieces)
 
+    def push_pull_pieces(
+        self,
+        flat: torch.Tensor,
+        pieces: Sequence[ShardRange],
+        worker_id: int,
+        step: int,
+        device_count: int,
+        out: torch.Tensor,
+    ) -> tuple[PushHandle, PullHandle]:
+        check_pull_buffer(out, self.total)  # before anything is pushed
+        return push_then_pull(self, flat, pieces, worker_id, step, device_count, out)
+
     def _push(
         self,
         flat: torch.Tensor | None,
@@ -181,7 +194,10 @@ class LocalPsClient:
             with self._call():
                 return self._pull_one(self._shards[p.shard_id], min_version, out[p.start : p.end], deadline, p.start)
 
-        return PullHandle([pool.submit(pull, p) for p in pieces])
+        try:
+            return PullHandle([pool.submit(pull, p) for p in pieces])
+        except RuntimeError as exc:  # close() shut the pool down between the check and the submit
+            raise Cancelled("the parameter-server client is closed") from exc
 
     def close(self, cancel: bool = False) -> None:
         """Refuse new calls; with ``cancel`` end waiting pulls now, else wait for calls in flight."""

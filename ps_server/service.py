@@ -14,7 +14,8 @@ Served by an asyncio server (``start_server(..., aio=True)``) and registered wit
   its pushes then carry only the header (the piece is in its push region) and its pulls are
   answered header-only (the piece is copied into its pull region). Same checks, same errors.
   A piece's push and pull are then unary calls (``PushShared``, ``PullShared``: no stream, one
-  thread hop per push, no follower thread: ``_Marks``), the cheapest gRPC calls there are.
+  thread hop per push, no follower thread: ``_Marks``), the cheapest gRPC calls there are; where the
+  shard publishes on its board, one call does both (``PushShared`` with ``pull_after``).
 """
 
 from __future__ import annotations
@@ -324,6 +325,8 @@ class ParameterServerServicer:
         # the job's) is refused here, on the loop, before a thread hop, the shard's lock, a bulk socket or a payload
         # byte; refusing costs one MAC, and an unauthenticated caller learns nothing about the rest of its push.
         self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
+        if h.pull_after:
+            raise InvalidArgument("pull_after is for PushShared (a colocated worker's piece); a Push stream cannot")
         # Issue 12: a bulk push's payload follows on that socket, which this push owns until it ends; the socket
         # is kept only if the push read exactly its payload and succeeded (a refusal or a duplicate leaves it
         # unread; a refusal after the read fails the call, and the client then closes its end too).
@@ -420,7 +423,13 @@ class ParameterServerServicer:
         """Issue 12: a colocated worker's push of one piece whose payload is in its push region: one unary call and
         one thread hop, in which the shard checks the header and takes the piece. Same checks as ``Push``, in the
         same order: the caller's identity (on the loop), the shard's header checks (a duplicate is acknowledged
-        unread), then the regions' nonce."""
+        unread), then the regions' nonce.
+
+        With ``pull_after`` the call then waits for the piece's next version, as ``PullShared`` with ``board`` of
+        ``step + 1`` would, and answers it in ``pulled``: a worker's push and pull of a piece are one call, not two
+        (each call costs both ends a few hundred microseconds of CPU on a host whose cores train). The push is
+        taken before the wait, so a call that fails while waiting has still pushed (a repeat is a duplicate); if
+        the worker's regions are replaced during the wait, the reply has no ``pulled`` and the worker pulls."""
         self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
         if not h.shm_nonce or h.bulk_ticket or h.skip or not h.HasField("piece_start"):
             raise InvalidArgument(
@@ -457,9 +466,28 @@ class ParameterServerServicer:
         metrics.PUSH_SECONDS.observe(time.perf_counter() - started)
         if result.completed:
             metrics.UPDATE_SECONDS.observe(result.update_s)
-        return pb.PushReply(
+        reply = pb.PushReply(
             version=result.version, duplicate=result.duplicate, completed=result.completed, skipped=result.skipped
         )
+        if h.pull_after:
+            started = time.perf_counter()
+            pull = pb.PullRequest(
+                shard_id=h.shard_id,
+                min_version=h.step + 1,
+                piece_start=piece,
+                shm_worker=h.worker_id,
+                shm_nonce=h.shm_nonce,
+                board=True,
+            )
+            try:
+                version, slot = await self._pull_shared(shard, piece, pull, context, board=True)
+            except StaleRegion:  # the regions were replaced during the wait: the push stands, the worker pulls
+                return reply
+            reply.pulled.version = version
+            if slot is not None:
+                reply.pulled.board_slot = slot
+            metrics.PULL_SECONDS.observe(time.perf_counter() - started)
+        return reply
 
     def _moved_by(self, piece: int | None) -> Callable[[asyncio.Future[PushResult]], None]:
         """A done-callback for a push in a thread: wake the pulls of what it moved on (even if the RPC was

@@ -21,6 +21,8 @@ the trainer passes its stop flag as the backoff wait so SIGTERM cuts a backoff s
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
@@ -150,6 +152,21 @@ class ParameterServerClient(Protocol):
         """``skip_step`` for only ``pieces``: each completes ``step`` without an update."""
         ...
 
+    def push_pull_pieces(
+        self,
+        flat: torch.Tensor,
+        pieces: Sequence[ShardRange],
+        worker_id: int,
+        step: int,
+        device_count: int,
+        out: torch.Tensor,
+    ) -> tuple[PushHandle, PullHandle]:
+        """``push_pieces``, then ``pull_pieces`` of version ``step + 1`` into ``out`` once the pushes are acknowledged;
+        returns at once. A push's error is also the pull's (the caller repeats the push, then the pull).
+        ``push_then_pull`` does exactly this for the whole set; a transport may instead pull each piece once it is
+        acknowledged, or fold a piece's push and pull into one call (``PsClient``, over shared memory)."""
+        ...
+
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
         """Start pulling ``pieces`` at ``min_version`` or newer into their ranges of ``out``; returns at once.
 
@@ -184,6 +201,64 @@ class ParameterServerClient(Protocol):
         fail at once with ``Cancelled`` (how a worker honours SIGTERM during a blocked pull).
         Every later call raises ``Cancelled``."""
         ...
+
+
+def push_then_pull(
+    client: ParameterServerClient,
+    flat: torch.Tensor,
+    pieces: Sequence[ShardRange],
+    worker_id: int,
+    step: int,
+    device_count: int,
+    out: torch.Tensor,
+) -> tuple[PushHandle, PullHandle]:
+    """``push_pull_pieces`` from ``push_pieces`` and ``pull_pieces``: the pull starts from the last acknowledgement's
+    callback (so nothing waits for it) and its handle is one future, settled when the pull is."""
+    pushed = client.push_pieces(flat, pieces, worker_id, step, device_count)
+    if not pushed.futures:  # nothing to acknowledge: the pull (of no pieces) answers for itself
+        return pushed, client.pull_pieces(step + 1, out, pieces)
+    pulled: Future[int] = Future()
+    left = [len(pushed.futures)]
+    lock = threading.Lock()
+    settled = [False]
+
+    def settle(pull: PullHandle, _: object) -> None:
+        if not pull.done():
+            return
+        with lock:  # the last two pulls may finish at once: one of them settles
+            if settled[0]:
+                return
+            settled[0] = True
+        try:
+            version = pull.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the pull
+            pulled.set_exception(exc)
+        else:
+            pulled.set_result(version)
+
+    def acknowledged(_: object) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        failed = next((f for f in pushed.futures if f.cancelled() or f.exception() is not None), None)
+        if failed is not None:
+            if failed.cancelled():
+                pulled.cancel()
+            else:
+                pulled.set_exception(failed.exception())  # type: ignore[arg-type]
+            return
+        try:
+            pull = client.pull_pieces(step + 1, out, pieces)
+        except BaseException as exc:  # noqa: BLE001 - a closed client: the pull's waiter sees it
+            pulled.set_exception(exc)
+            return
+        for future in pull.futures:
+            future.add_done_callback(functools.partial(settle, pull))
+
+    for future in pushed.futures:
+        future.add_done_callback(acknowledged)
+    return pushed, PullHandle([pulled])
 
 
 def check_push_buffer(flat: torch.Tensor, total: int) -> None:

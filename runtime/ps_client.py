@@ -29,10 +29,12 @@ raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decid
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -104,6 +106,42 @@ def _pull_reply(raw: bytes) -> PullPart | CodecError:
 # A shared-memory call the shard refused without changing anything: it replaced or dropped the regions (ABORTED), or
 # it predates PushShared/PullShared (UNIMPLEMENTED). The client then streams to that shard.
 _SHM_REFUSED = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED)
+
+
+# One piece's push-and-pull: (piece, its gradient, worker, step, devices, its destination, the ack, the pull).
+_PushPull = tuple[ShardRange, torch.Tensor, int, int, int, torch.Tensor, "Future[ShardAck]", "Future[int]"]
+
+
+def _settle(future: Future[T], error: BaseException) -> None:
+    """Fail ``future`` unless it is settled already (a push-and-pull's futures are settled from several threads)."""
+    if future.done():
+        return
+    with contextlib.suppress(InvalidStateError):  # settled meanwhile
+        future.set_exception(error)
+
+
+def _outcome_error(task: Future[Any]) -> BaseException | None:
+    if task.cancelled():
+        return Cancelled("the parameter-server client was closed before this call started")
+    return task.exception()
+
+
+def _fail_with(futures: list[Future[Any]], task: Future[Any]) -> None:
+    """``task`` (which settles ``futures`` itself, or has a callback do it) ended: if it failed, so do they."""
+    error = _outcome_error(task)
+    if error is not None:
+        for future in futures:
+            _settle(future, error)
+
+
+def _settle_with(into: Future[T], task: Future[T]) -> None:
+    """``into`` gets ``task``'s outcome: its result, its error, or ``Cancelled``."""
+    error = _outcome_error(task)
+    if error is not None:
+        _settle(into, error)
+        return
+    with contextlib.suppress(InvalidStateError):
+        into.set_result(task.result())
 
 
 def _aborted(exc: BaseException) -> bool:
@@ -233,6 +271,35 @@ class PsClient:
         check_pieces(pieces, self.ranges)
         return PushHandle([self._submit(self._push_one, p, None, worker_id, step, device_count, True) for p in pieces])
 
+    def push_pull_pieces(
+        self,
+        flat: torch.Tensor,
+        pieces: Sequence[ShardRange],
+        worker_id: int,
+        step: int,
+        device_count: int,
+        out: torch.Tensor,
+    ) -> tuple[PushHandle, PullHandle]:
+        """``push_pieces``, then each piece's pull of version ``step + 1`` into ``out``, started once that piece is
+        acknowledged. A piece whose shard is colocated and offers its board is pushed and pulled back in one call
+        (``PushShared`` with ``pull_after``): its acknowledgement comes with the new version, and no thread waits
+        for it (the call runs on gRPC's own; its reply hands the copy out of the board to the pull pool). That
+        call's deadline is the pull's, since it waits for the step's slowest worker. Any other piece is pushed on
+        the push pool and then pulled on the pull pool, as ``push_pieces`` and ``pull_pieces`` would."""
+        check_push_buffer(flat, self.total)
+        check_pull_buffer(out, self.total)
+        check_pieces(pieces, self.ranges)
+        acks: list[Future[ShardAck]] = []
+        pulls: list[Future[int]] = []
+        for p in pieces:
+            acked: Future[ShardAck] = Future()
+            pulled: Future[int] = Future()
+            args = (p, flat[p.start : p.end], worker_id, step, device_count, out[p.start : p.end], acked, pulled)
+            self._start_push_pull(args)
+            acks.append(acked)
+            pulls.append(pulled)
+        return PushHandle(acks), PullHandle(pulls)
+
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
         check_pull_buffer(out, self.total)
         check_pieces(pieces, self.ranges)
@@ -302,15 +369,34 @@ class PsClient:
         try:
             return fn(r, *args)
         except grpc.RpcError as exc:
-            error = ERRORS.get(exc.code())
-            if error is None:
-                raise
-            raise error(f"shard {r.shard_id} at {self._addresses[r.shard_id]}: {exc.details()}") from exc
+            raise self._error_of(r, exc) from exc
         except ValueError as exc:
             if not self._cancelled.is_set():
                 raise
             # "Cannot invoke RPC on closed channel!": the call started after close(cancel=True)
             raise Cancelled("the parameter-server client was closed") from exc
+
+    def _error_of(self, r: ShardRange, exc: grpc.RpcError) -> BaseException:
+        """The ``ps_api`` error for a shard call's status code (the ``RpcError`` itself for a code not in the table)."""
+        error = ERRORS.get(exc.code())
+        if error is None:
+            return exc
+        return error(f"shard {r.shard_id} at {self._addresses[r.shard_id]}: {exc.details()}")
+
+    def _push_header(
+        self, r: ShardRange, worker_id: int, step: int, device_count: int, is_piece: bool
+    ) -> pb.PushHeader:
+        header = pb.PushHeader(
+            shard_id=r.shard_id,
+            worker_id=worker_id,
+            step=step,
+            device_count=device_count,
+            dtype=self._wire_dtype,
+            numel=r.numel,
+        )
+        if is_piece:
+            header.piece_start = r.start
+        return header
 
     def _push_one(
         self,
@@ -324,17 +410,8 @@ class PsClient:
         """Stream one shard its slice (or, ``is_piece``, one of its pieces: ``r``); ``None`` skips the step."""
         if piece is not None:
             piece = round_push(piece, self._push_dtype)  # bfloat16: half the bytes from here on
-        header = pb.PushHeader(
-            shard_id=r.shard_id,
-            worker_id=worker_id,
-            step=step,
-            device_count=device_count,
-            dtype=self._wire_dtype,
-            numel=r.numel,
-            skip=piece is None,
-        )
-        if is_piece:
-            header.piece_start = r.start
+        header = self._push_header(r, worker_id, step, device_count, is_piece)
+        header.skip = piece is None
         regions = self.shared.for_push(r, worker_id) if piece is not None else None
         if regions is not None and piece is not None:
             regions.push.data[self.shared.span(r)].copy_(piece)  # the payload's one copy on this side
@@ -370,6 +447,78 @@ class PsClient:
         reply = self._stubs[r.shard_id].Push(requests(), timeout=self._push_timeout_s)
         self.shared.count(streamed=0 if piece is None else r.numel * piece.element_size())
         return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
+
+    def _start_push_pull(self, args: _PushPull) -> None:
+        """Hand one piece's push-and-pull to the push pool; whatever fails before it settles both futures."""
+        acked, pulled = args[-2], args[-1]
+        try:
+            started = self._submit(self._push_pull_one, *args)
+        except Cancelled as exc:
+            _settle(acked, exc)
+            _settle(pulled, exc)
+            return
+        started.add_done_callback(functools.partial(_fail_with, [acked, pulled]))
+
+    def _push_pull_one(
+        self,
+        r: ShardRange,
+        piece: torch.Tensor,
+        worker_id: int,
+        step: int,
+        device_count: int,
+        dest: torch.Tensor,
+        acked: Future[ShardAck],
+        pulled: Future[int],
+    ) -> None:
+        """On the push pool: push one piece and arrange its pull of ``step + 1``; returns without waiting for it."""
+        regions = self.shared.for_push(r, worker_id)
+        if regions is None or regions.board is None:
+            acked.set_result(self._push_one(r, piece, worker_id, step, device_count, True))
+            self._then(pulled, self._pull_one, r, step + 1, dest, True)
+            return
+        header = self._push_header(r, worker_id, step, device_count, True)
+        header.shm_nonce = regions.nonce
+        header.pull_after = True
+        regions.push.data[self.shared.span(r)].copy_(round_push(piece, self._push_dtype))  # the payload's one copy
+        call = self._stubs[r.shard_id].PushShm.future(header, timeout=self._pull_timeout_s)
+        args: _PushPull = (r, piece, worker_id, step, device_count, dest, acked, pulled)
+        call.add_done_callback(functools.partial(self._pushed_and_published, args, regions))
+
+    def _pushed_and_published(self, args: _PushPull, regions: MappedPair, call: grpc.Future) -> None:
+        """gRPC's callback thread, once the combined call has ended: settle the acknowledgement and hand the copy
+        out of the board to the pull pool (nothing here may block)."""
+        r, _, _, step, _, dest, acked, pulled = args
+        try:
+            reply = call.result()
+        except grpc.RpcError as exc:
+            if exc.code() in _SHM_REFUSED:  # refused before the push was taken: push and pull the other way
+                self.shared.disable(r.shard_id)
+                self._start_push_pull(args)
+                return
+            error = self._error_of(r, exc)
+            _settle(acked, error)
+            _settle(pulled, error)
+            return
+        except BaseException as exc:  # noqa: BLE001 - e.g. the call was cancelled: whoever waits sees it
+            _settle(acked, exc)
+            _settle(pulled, exc)
+            return
+        acked.set_result(ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped))
+        self.shared.count(shared=r.numel * 4, push_pulls=int(reply.HasField("pulled")))
+        if not reply.HasField("pulled"):  # a shard that predates pull_after, or regions replaced meanwhile
+            self._then(pulled, self._pull_one, r, step + 1, dest, True)
+            return
+        request = pb.PullRequest(shard_id=r.shard_id, min_version=step + 1, piece_start=r.start)
+        self._then(pulled, self._land_shared, r, reply.pulled, request, dest, regions, True)
+
+    def _then(self, into: Future[T], fn: Callable[..., T], r: ShardRange, *args: object) -> None:
+        """Run ``fn(r, *args)`` on the pull pool and settle ``into`` with its outcome."""
+        try:
+            task = self._submit(fn, r, *args, pool=self._pulls)
+        except Cancelled as exc:
+            _settle(into, exc)
+            return
+        task.add_done_callback(functools.partial(_settle_with, into))
 
     def _push_bulk(
         self, r: ShardRange, header: pb.PushHeader, piece: torch.Tensor, bulk: ClientSocket
@@ -429,6 +578,19 @@ class PsClient:
                 raise
             self.shared.disable(r.shard_id)
             return None
+        return self._land_shared(r, reply, request, dest, regions, board)
+
+    def _land_shared(
+        self,
+        r: ShardRange,
+        reply: pb.PullReply,
+        request: pb.PullRequest,
+        dest: torch.Tensor,
+        regions: MappedPair,
+        board: bool,
+    ) -> int:
+        """Copy the version a shared-memory pull's ``reply`` names into ``dest``: out of the board slot (pulled again
+        through the pull region if its stamp moved) or out of the pull region."""
         if reply.HasField("chunk"):
             raise CodecError("a shared-memory pull is answered with one header-only reply")
         where = self.shared.span(r)
@@ -439,7 +601,10 @@ class PsClient:
                 self.shared.count(shared=r.numel * 4, board_pulls=1)
                 return reply.version
             self.shared.count(board_retries=1)  # the half moved on under the copy: the shard copies it this time
-            return self._pull_shared(r, request, dest, regions, board=False)
+            again = self._pull_shared(r, request, dest, regions, board=False)
+            if again is None:  # the shard dropped the regions meanwhile
+                return self._pull_one(r, request.min_version, dest, request.HasField("piece_start"))
+            return again
         dest.copy_(regions.pull.data[where])  # the payload's one copy on this side
         self.shared.count(shared=r.numel * 4)
         return reply.version

@@ -59,6 +59,7 @@ class TransportCounts:
     streamed_bytes: int = 0
     board_pulls: int = 0  # piece pulls copied straight out of a shard's published board
     board_retries: int = 0  # of those, copies the board's stamp refused (pulled again through the pull region)
+    push_pulls: int = 0  # pieces pushed and pulled back in one call (PushShared with pull_after)
 
 
 class SharedMemory:
@@ -113,12 +114,15 @@ class SharedMemory:
         """The shards this client talks to through shared memory."""
         return [i for i, s in enumerate(self._state) if isinstance(s, MappedPair)]
 
-    def count(self, shared: int = 0, streamed: int = 0, board_pulls: int = 0, board_retries: int = 0) -> None:
+    def count(
+        self, shared: int = 0, streamed: int = 0, board_pulls: int = 0, board_retries: int = 0, push_pulls: int = 0
+    ) -> None:
         with self._count_lock:
             self.counts.shared_bytes += shared
             self.counts.streamed_bytes += streamed
             self.counts.board_pulls += board_pulls
             self.counts.board_retries += board_retries
+            self.counts.push_pulls += push_pulls
 
     def close(self) -> None:
         """Ask each shard to unlink this client's regions (best effort: a stopping shard unlinks them itself)."""

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from pstrain.coordinator.journal import read_journal
+from pstrain.runtime.ports import free_port
 from tests.helpers import child_env, metrics_lines, pids_with_marker, wait_for, write_job
-from tests.test_service_recovery import free_port
 
 STEPS = 30
 PER_DEVICE = 4

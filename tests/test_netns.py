@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from pstrain.coordinator.journal import read_journal
+from pstrain.runtime.ports import free_port
 from tests.helpers import child_env, metrics_lines, pids_with_marker, run_local, wait_for, write_job
-from tests.test_service_recovery import Unit, free_port
+from tests.test_service_recovery import Unit
 
 STEPS = 30
 HEARTBEAT_TIMEOUT_S = 4.0
@@ -89,7 +90,7 @@ def job_file(path: Path) -> Path:
 def cluster(tmp: Path, job: Path, ns: Namespace, marker: str, log) -> list[Unit]:  # type: ignore[no-untyped-def]
     env = child_env(marker)
     py = [sys.executable, "-m"]
-    coordinator = f"{ns.host_ip}:{free_port()}"
+    coordinator = f"{ns.host_ip}:{free_port(ns.host_ip)}"
     token = tmp / "token"
     token.write_text(uuid.uuid4().hex)
     token.chmod(0o600)

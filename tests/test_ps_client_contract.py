@@ -257,6 +257,30 @@ def test_pieces_push_and_pull_like_whole_shards(cluster: Cluster) -> None:
         torch.testing.assert_close(out, ref.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_push_pull_pieces_pulls_the_version_the_pushes_complete(cluster: Cluster) -> None:
+    workers = [cluster.connect(), cluster.connect()]
+    pieces = shard_ranges(TOTAL, SHARDS)
+    outs = [torch.zeros(TOTAL), torch.zeros(TOTAL)]
+    ref = torch.nn.Parameter(cluster.initial.clone())
+    opt = torch.optim.SGD([ref], lr=0.5, momentum=0.9)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(2):
+        g0, g1 = torch.randn(TOTAL, generator=gen), torch.randn(TOTAL, generator=gen)
+        first = workers[0].push_pull_pieces(g0, pieces[::-1], 0, step, 2, outs[0])
+        assert not first[1].done()  # the step needs worker 1's pushes
+        second = workers[1].push_pull_pieces(g1, pieces, 1, step, 2, outs[1])
+        assert first[1].wait() == second[1].wait() == step + 1
+        acks = [ack for pushed, _ in (first, second) for ack in pushed.wait()]
+        assert sorted((a.shard_id, a.completed) for a in acks) == [(0, False), (0, True), (1, False), (1, True)]
+        ref.grad = (g0 + g1) / 4
+        opt.step()
+        for out in outs:
+            torch.testing.assert_close(out, ref.detach(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(InvalidRequest):  # a wrong pull buffer is refused before anything is pushed
+        workers[0].push_pull_pieces(torch.ones(TOTAL), pieces, 0, 2, 2, torch.empty(TOTAL - 1))
+    assert all(s.snapshot().pushes_waiting == 0 and s.version == 2 for s in cluster.shards)
+
+
 def test_a_range_that_is_not_a_piece_is_refused_and_changes_nothing(cluster: Cluster) -> None:
     client = cluster.connect(pull_timeout_s=2.0)
     whole = shard_ranges(TOTAL, SHARDS)[0]

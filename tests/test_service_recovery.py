@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,12 @@ from typing import IO
 import pytest
 import torch
 
+from pstrain.runtime.ports import free_port
 from tests.helpers import child_env, metrics_lines, pids_with_marker, run_local, wait_for, write_job
 
 STEPS = 30
 RESTART_S = 0.5  # RestartSec
 NOT_RESTARTED = (0, 2, 3)  # success, RestartPreventExitStatus=2 3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -17,18 +17,23 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.ps_server.service import ParameterServerServicer
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.ps_server.shm import SharedRegions
-from pstrain.runtime import shm_board
+from pstrain.runtime import ps_client, shm_board
+from pstrain.runtime.ps_api import Cancelled
+from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.shm_board import WRITING, Board
 from pstrain.runtime.shm_region import ShmError
 from pstrain.runtime.transport import open_channel
-from tests.test_shm_path import TOTAL, Cluster, pieces_of, start_cluster, train
+from tests.helpers import wait_for
+from tests.test_shm_path import TOTAL, WORKERS, Cluster, pieces_of, start_cluster, train
 
 pytestmark = pytest.mark.skipif(not shm_board.SUPPORTED, reason="the published board is x86-64 only")
 
@@ -278,3 +283,126 @@ def test_a_board_pull_of_a_whole_shard_or_without_the_flag_is_copied(cluster: Cl
     whole.MergeFrom(base)
     assert not stub.PullShared(whole, timeout=10).HasField("board_slot")
     stub.CloseSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
+
+
+def _train_pushing_and_pulling(
+    cluster: Cluster, shared: bool, orders: tuple[int, int] = (-1, -1)
+) -> tuple[torch.Tensor, list[PsClient]]:
+    """``train`` as the trainer calls: each worker pushes its pieces and pulls them back (``push_pull_pieces``), in
+    the piece order ``orders[w]`` (1: forward, -1: backward)."""
+    clients = [cluster.client(w, shared) for w in range(WORKERS)]
+    try:
+        pieces = [p for r in clients[0].ranges for p in pieces_of(r)]
+        out = [torch.empty(TOTAL) for _ in clients]
+        for step in range(3):
+            calls = []
+            for w, client in enumerate(clients):
+                grad = torch.randn(TOTAL, generator=torch.Generator().manual_seed(100 * step + w))
+                calls.append(client.push_pull_pieces(grad, pieces[:: orders[w]], w, step, 1, out[w]))
+            assert [pulled.wait() for _, pulled in calls] == [step + 1] * WORKERS
+            acks = [pushed.wait()[:: orders[w]] for w, (pushed, _) in enumerate(calls)]  # in piece order
+            for i in range(len(pieces)):  # each piece: exactly one worker's push completed the step
+                assert sum(worker[i].completed for worker in acks) == 1
+        assert torch.equal(out[0], out[1])
+    except BaseException:
+        for client in clients:
+            client.close(cancel=True)
+        raise
+    return out[0], clients
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16-push"])
+def test_a_colocated_push_and_its_pull_are_one_call_equal_to_streaming(bf16: bool) -> None:
+    results = {}
+    for shared in (False, True):
+        c = start_cluster(bf16=bf16)
+        try:
+            params, clients = _train_pushing_and_pulling(c, shared)
+            for client in clients:
+                counts = client.shared.counts
+                pieces = len(pieces_of(client.ranges[0])) * len(client.ranges)
+                assert counts.push_pulls == (3 * pieces if shared else 0)
+                assert counts.board_pulls == (3 * pieces if shared else 0)
+                client.close()
+            results[shared] = params
+        finally:
+            c.stop()
+    assert torch.equal(results[True], results[False])
+    streamed = start_cluster(bf16=bf16)
+    try:
+        expected, others = train(streamed, False)  # push_pieces, then pull_pieces: the same numbers
+        for other in others:
+            other.close()
+    finally:
+        streamed.stop()
+    assert torch.equal(results[True], expected)
+
+
+def test_pull_after_is_refused_on_a_push_stream_and_changes_nothing(cluster: Cluster) -> None:
+    stub = pb_grpc.ParameterServerStub(open_channel(cluster.addresses[0]))
+    piece = cluster.shards[0].pieces[0]
+    header = pb.PushHeader(
+        shard_id=0, worker_id=0, step=0, device_count=1, dtype=pb.FLOAT32, numel=piece.numel,
+        piece_start=piece.start, skip=True, pull_after=True,
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Push(iter([pb.PushRequest(header=header)]), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pull_after" in refused.value.details()
+    assert {p.version for p in cluster.shards[0].pieces} == {0} and cluster.shards[0].last_step_of(0) == -1
+
+
+def test_no_thread_waits_for_a_combined_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A combined call waits for the other workers on the shard, not in a client thread: with a pull pool of one
+    thread, two workers that push their pieces in opposite orders still complete every step."""
+    monkeypatch.setattr(ps_client, "PIECE_PULLS", 1)
+    c = start_cluster()
+    try:
+        _, clients = _train_pushing_and_pulling(c, True, orders=(1, -1))
+        for client in clients:
+            assert client.shared.counts.push_pulls == 3 * len(pieces_of(client.ranges[0])) * len(client.ranges)
+            client.close()
+    finally:
+        c.stop()
+
+
+def test_a_shard_that_ignores_pull_after_is_pulled_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard that predates ``pull_after`` takes the push and answers without ``pulled``: the client pulls."""
+    real = ParameterServerServicer.PushShared
+
+    async def predates(self: ParameterServerServicer, h: pb.PushHeader, context: object) -> pb.PushReply:
+        h.pull_after = False
+        return await real(self, h, context)
+
+    monkeypatch.setattr(ParameterServerServicer, "PushShared", predates)
+    c = start_cluster()
+    try:
+        params, clients = _train_pushing_and_pulling(c, True)
+        for client in clients:
+            counts = client.shared.counts
+            assert counts.push_pulls == 0 and counts.board_pulls == 3 * len(pieces_of(client.ranges[0])) * 2
+            client.close()
+    finally:
+        c.stop()
+    streamed = start_cluster()
+    try:
+        expected, others = train(streamed, False)
+        for other in others:
+            other.close()
+    finally:
+        streamed.stop()
+    assert torch.equal(params, expected)
+
+
+def test_closing_the_client_ends_a_waiting_combined_call_with_cancelled(cluster: Cluster) -> None:
+    client = cluster.client(0)
+    pieces = [p for r in client.ranges for p in pieces_of(r)]
+    pushed, pulled = client.push_pull_pieces(torch.ones(TOTAL), pieces, 0, 0, 1, torch.empty(TOTAL))
+    # Worker 1 never pushes: every call waits on its shard once the push is taken.
+    taken = lambda: all(p.snapshot().pushes_waiting == 1 for s in cluster.shards for p in s.pieces)  # noqa: E731
+    wait_for(taken, 10, "worker 0's pushes")
+    client.close(cancel=True)
+    with pytest.raises(Cancelled):
+        pulled.wait()
+    with pytest.raises(Cancelled):
+        pushed.wait()
+    assert {p.version for s in cluster.shards for p in s.pieces} == {0}

@@ -26,6 +26,7 @@ from pstrain.runtime.ps_api import (
     RetryPolicy,
     StepConflict,
     Unavailable,
+    push_then_pull,
 )
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 from pstrain.worker.data_feed import DataFeed
@@ -171,6 +172,17 @@ class Recording:
             error = self.faults[key].pop(0)
             return PushHandle([handle.futures[0], *(failed(error) for _ in handle.futures[1:])])
         return handle
+
+    def push_pull_pieces(
+        self,
+        flat: torch.Tensor,
+        pieces: Sequence[ShardRange],
+        worker_id: int,
+        step: int,
+        device_count: int,
+        out: torch.Tensor,
+    ) -> tuple[PushHandle, PullHandle]:
+        return push_then_pull(self, flat, pieces, worker_id, step, device_count, out)  # faulted as push and pull
 
     def skip_pieces(self, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int) -> PushHandle:
         self.calls.append(("skip", worker_id, step))

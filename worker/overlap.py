@@ -9,9 +9,11 @@ does for the whole vector, so the sum is bit-identical; with one device there is
 the bucket is pushed from that device's host buffer itself) and pushes its pieces at once, while
 backward goes on with earlier layers. Once the shards have acknowledged the bucket, its pull of the
 next version starts (from the acknowledging thread, so the sender never waits), which the shard
-serves as soon as every worker has pushed that piece; a bucket whose push must be repeated is
-pulled after the repeat (``pull_missing``). After backward the
-trainer waits for the pushes (the exposed push).
+serves as soon as every worker has pushed that piece (``push_pull_pieces``; over shared memory the
+push and the pull of a piece are one call, acknowledged with the new version). A bucket whose push
+must be repeated is pulled after the repeat (its first pull fails with the push's error and the
+loader pulls it again), and a skipped bucket's pull starts once the skip is acknowledged
+(``pull_missing``). After backward the trainer waits for the pushes (the exposed push).
 
 Pull side (``BucketLoader``). The next step's forward waits only for the buckets a module uses:
 a forward pre-hook on each module that holds parameters of its own waits for the buckets of its
@@ -190,12 +192,17 @@ class BucketPusher:
         if step.finite:
             if self.on_push is not None:
                 self.on_push(bucket)
-            handle = self.ps.push_pieces(self.grads, bucket.pieces, self.worker_id, step.step, devices)
-        elif self.skip_nonfinite:
-            handle = self.ps.skip_pieces(bucket.pieces, self.worker_id, step.step, devices)
-        else:
+            handle, pull = self.ps.push_pull_pieces(
+                self.grads, bucket.pieces, self.worker_id, step.step, devices, self.host_params
+            )
+            step.handles.append((bucket, False, handle))
+            with self._lock:
+                step.pulls[bucket.index] = pull
+            return
+        if not self.skip_nonfinite:
             return  # on_nonfinite: stop: nothing more leaves; the job fails
-        step.handles.append((bucket, not step.finite, handle))
+        handle = self.ps.skip_pieces(bucket.pieces, self.worker_id, step.step, devices)
+        step.handles.append((bucket, True, handle))
         self._pull_when_acknowledged(step, bucket, handle)
 
     def _pull_when_acknowledged(self, step: StepPushes, bucket: Bucket, handle: PushHandle) -> None:
