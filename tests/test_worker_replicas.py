@@ -57,6 +57,21 @@ def test_loading_parameters_updates_every_replica_model():
         assert torch.equal(layout.flatten(replica.model), new)
 
 
+def test_cpu_replicas_read_the_host_parameter_buffer_itself():
+    """A pull writes the new version where a CPU replica reads it: loading a bucket or the model copies nothing."""
+    layout = ParamLayout.of(odd_mlp())
+    replicas = ReplicaSet(seeded(odd_mlp), [torch.device("cpu")] * 2, layout)
+    new = torch.linspace(-1, 1, layout.total)
+    replicas.host_params.copy_(new)  # no load_parameters()
+    for replica in replicas.replicas:
+        assert replica.flat_params.data_ptr() == replicas.host_params.data_ptr()
+        assert torch.equal(layout.flatten(replica.model), new)
+    x, y = classification_set(8).tensors
+    replicas.forward_backward(list(x.chunk(2)), list(y.chunk(2)), torch.nn.functional.cross_entropy)
+    assert torch.equal(replicas.host_params, new)  # forward and backward leave the parameters alone
+    assert not torch.equal(replicas.replicas[0].flat_grads, replicas.replicas[1].flat_grads)  # grads stay apart
+
+
 def test_buffers_come_from_the_first_replica():
     layout = ParamLayout.of(bn_mlp())
     replicas = ReplicaSet(seeded(bn_mlp), [torch.device("cpu")] * 2, layout)

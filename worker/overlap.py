@@ -22,7 +22,8 @@ whole subtree (so a module that reads a child's weight directly, as ``MultiheadA
 parameters of their own are walked into. After forward every bucket not yet loaded (parameters
 no module called) is loaded, so backward always sees one version. A forward that reads a
 parameter of a module outside its own subtree before that module ran would see the previous
-version: such a model needs ``transport.bucket_bytes: 0`` (one bucket, loaded before forward).
+version (on a CPU device, whose parameters are the host buffer the pulls write, possibly a bucket
+being written): such a model needs ``transport.bucket_bytes: 0`` (one bucket, loaded before forward).
 
 Non-finite values (``fault.on_nonfinite``). The losses are checked before backward: a non-finite
 loss pushes nothing (``skip``: every piece is skipped; ``stop``: nothing at all). During backward

@@ -58,14 +58,19 @@ class Replica:
         pin: bool,
         memory: MemoryPolicy | None,
         shared: tuple[torch.Tensor, HostGradSum, int] | None = None,
+        host_params: torch.Tensor | None = None,
     ) -> Replica:
+        """``host_params``: the host's parameter buffer, which a CPU replica uses as its own (see ``ReplicaSet``)."""
         if memory is not None and memory.offload_params:  # issue 10: parameters and gradients stay on the host
             flat_params, flat_grads, params = offload_layers(model, device, layout, pin, memory.prefetch, shared)
             swap = SwapToHost(memory.prefetch, memory.pinned_limit_bytes).ignore_parameters(model)
             apply_layer_policies(model, memory.layer_policies, swap)
             return cls(device, model, layout, flat_params, flat_grads, flat_grads, swap, params)
         model = model.to(device)
-        flat_params = torch.empty(layout.total, dtype=torch.float32, device=device)
+        if device.type == "cpu" and host_params is not None:
+            flat_params = host_params
+        else:
+            flat_params = torch.empty(layout.total, dtype=torch.float32, device=device)
         flat_grads = torch.zeros(layout.total, dtype=torch.float32, device=device)
         layout.bind(model, flat_params, flat_grads)
         pinned = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin) if device.type != "cpu" else None
@@ -135,9 +140,20 @@ class ReplicaSet:
         self.host_params = torch.empty(layout.total, dtype=torch.float32, pin_memory=pin)
         self.shared = memory is not None and memory.offload_params  # one host copy of parameters and gradients
         grad_sum = HostGradSum(self.host_grads, len(layout.offsets), len(devices))
+        # A CPU replica's parameters are views of ``host_params`` itself: the pulls write the new version where the
+        # model reads it, so loading a bucket copies nothing (one pass over the model per step and device less).
+        # Nothing reads a bucket's parameters while its pull writes them: the pull of step t + 1 starts only after
+        # every device's backward of step t has finished with that bucket (its gradients were pushed), and the
+        # next forward waits for it (``BucketLoader``) as it would to copy it.
         self.replicas = [
             Replica.build(
-                build_model(), d, layout, pin, memory, (self.host_params, grad_sum, i) if self.shared else None
+                build_model(),
+                d,
+                layout,
+                pin,
+                memory,
+                (self.host_params, grad_sum, i) if self.shared else None,
+                host_params=self.host_params,
             )
             for i, d in enumerate(devices)
         ]
