@@ -55,7 +55,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,8 @@ from pstrain.runtime.ports import free_port
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # job files and DDP's ranks import this module as ``bench.step``
 RESULTS = ROOT / "bench" / "results" / "step.md"
-PROCESSES = 2  # training processes of either system (pstrain: workers x 1 device)
+CUDA_RESULTS = ROOT / "bench" / "results" / "step_cuda.md"  # --device cuda
+PROCESSES = 2  # CPU: training processes of either system (pstrain: workers x 1 device)
 SEED = 0
 LR = 0.01
 MOMENTUM = 0.9
@@ -145,6 +146,12 @@ class Case:
     batch: int  # samples per training process per step
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     data_kwargs: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # cuda: DDP over NCCL, one rank per GPU; pstrain: one worker driving every GPU
+    processes: int = PROCESSES  # CPU: training processes; cuda: GPUs
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
 
     def build_model(self) -> nn.Module:
         from pstrain.runtime.factories import build_model
@@ -161,6 +168,20 @@ CASES = (
     Case("mlp 8x1024, 64/proc", "bench.step:mlp", "bench.step:mlp_set", 64),
     Case("mlp 8x1024, 256/proc", "bench.step:mlp", "bench.step:mlp_set", 256),
     Case("transformer 2x256, 32x32 tok/proc", "bench.step:transformer", "bench.step:token_set", 32),
+)
+# A GPU computes the CPU cases' batches in well under a millisecond: larger batches show where compute
+# starts to hide the trip to the CPU shards and back.
+CUDA_CASES = (
+    CASES[0],
+    Case("mlp 8x1024, 4096/GPU", "bench.step:mlp", "bench.step:mlp_set", 4096, data_kwargs={"n": 65536}),
+    CASES[2],
+    Case(
+        "transformer 2x256, 512x32 tok/GPU",
+        "bench.step:transformer",
+        "bench.step:token_set",
+        512,
+        data_kwargs={"n": 16384},
+    ),
 )
 
 
@@ -197,28 +218,37 @@ def _ddp_rank(rank: int, case: Case, port: int, steps: Steps, result: str) -> No
     # rank sharing its group with the other rank would get half the CPU a pstrain worker gets.
     with contextlib.suppress(OSError):
         os.setsid()
-    torch.set_num_threads(1)
+    if case.cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
     dist.init_process_group(
-        "gloo",
+        "nccl" if case.cuda else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=PROCESSES,
+        world_size=case.processes,
         timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S),
     )
     try:
-        model = DistributedDataParallel(case.build_model())
+        model = DistributedDataParallel(case.build_model().to(device), device_ids=[rank] if case.cuda else None)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         dataset = case.build_dataset()
-        sampler = DistributedSampler(dataset, PROCESSES, rank, shuffle=True, seed=SEED, drop_last=True)
-        batches = _endless(DataLoader(dataset, batch_size=case.batch, sampler=sampler, drop_last=True), sampler)
+        sampler = DistributedSampler(dataset, case.processes, rank, shuffle=True, seed=SEED, drop_last=True)
+        loader = DataLoader(dataset, batch_size=case.batch, sampler=sampler, drop_last=True, pin_memory=case.cuda)
+        batches = _endless(loader, sampler)
 
         def step() -> float:
             started = time.perf_counter()
             inputs, targets = next(batches)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(inputs), targets)
             loss.backward()
             optimizer.step()
+            if case.cuda:  # the step is over when the GPU is done with it
+                torch.cuda.synchronize(device)
             return time.perf_counter() - started
 
         dist.barrier()
@@ -230,7 +260,7 @@ def _ddp_rank(rank: int, case: Case, port: int, steps: Steps, result: str) -> No
         dist.barrier()
         with model.no_sync():  # the same loop without the all-reduce: DDP's compute alone
             compute = [step() for _ in range(steps.ddp_compute + 1)][1:]
-        gathered: list[Any] = [None] * PROCESSES
+        gathered: list[Any] = [None] * case.processes
         dist.all_gather_object(gathered, {"times": times, "compute": compute, "cpu_s": cpu_s})
         if rank == 0:
             Path(result).write_text(json.dumps(gathered))
@@ -243,7 +273,7 @@ def run_ddp(case: Case, steps: Steps, work: Path) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     result = work / "ddp.json"
-    mp.spawn(_ddp_rank, args=(case, free_port(), steps, str(result)), nprocs=PROCESSES, join=True)
+    mp.spawn(_ddp_rank, args=(case, free_port(), steps, str(result)), nprocs=case.processes, join=True)
     ranks = json.loads(result.read_text())
     return {
         "step_s": [max(values) for values in zip(*(r["times"] for r in ranks), strict=True)],
@@ -268,9 +298,18 @@ def _job(
         "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
         "batch": {"per_device": case.batch, "lr_scaling": "none"},
         "job": {"steps": steps, "seed": SEED, "name": "bench-step"},
-        "cluster": {"ps_shards": ps_shards, "workers": PROCESSES, "devices_per_worker": 1},
+        # CPU: one worker per training process. cuda: the design's layout, one worker summing its host's GPUs.
+        "cluster": {
+            "ps_shards": ps_shards,
+            "workers": _workers(case),
+            "devices_per_worker": case.processes if case.cuda else 1,
+        },
         "checkpoint": {"every_steps": 0},  # this measures steps, not checkpoints
     }
+
+
+def _workers(case: Case) -> int:
+    return 1 if case.cuda else case.processes
 
 
 def _scrape(address: str) -> dict[str, float]:
@@ -376,8 +415,8 @@ def run_pstrain(
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = records[steps.warm : steps.warm + steps.measured]
     before, after = scrapes["before"], scrapes["after"]
-    if len(after["worker"]) != PROCESSES or not after["ps"]:
-        raise RuntimeError(f"expected {PROCESSES} workers and the shards in GetJobStatus, got {after}")
+    if len(after["worker"]) != _workers(case) or not after["ps"]:
+        raise RuntimeError(f"expected {_workers(case)} workers and the shards in GetJobStatus, got {after}")
     return {
         "step_s": [r["step_s"] for r in measured],
         "worker_step_ms": _mean_ms(before["worker"], after["worker"], "pstrain_worker_step_seconds"),
@@ -416,7 +455,7 @@ def run_pstrain_isolated(
 ) -> dict[str, Any]:
     env = {
         **os.environ,
-        **THREADS_ENV,
+        **({} if case.cuda else THREADS_ENV),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     cmd = [sys.executable, str(Path(__file__).resolve()), "--pstrain-case", json.dumps(asdict(case))]
@@ -642,6 +681,51 @@ pstrain loss, first -> last step of round 1 (sanity: it trains):
     RESULTS.write_text(text)
 
 
+def write_cuda_results(
+    rows: list[Row], steps: Steps, args: argparse.Namespace, loads: tuple[str, str], wall_s: float
+) -> None:
+    """``--device cuda``: the same tables, another setup (NCCL, one rank per GPU; one pstrain worker)."""
+    import grpc
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gpus = args.processes
+    name = torch.cuda.get_device_name(0)
+    per_round = "\n".join(f"- {r.case.name}: {r.rounds()}" for r in rows)
+    buckets = "the config default" if args.bucket_bytes is None else f"{args.bucket_bytes} bytes"
+    text = f"""# pstrain step time vs. PyTorch DDP on GPUs (bench/step.py --device cuda)
+
+- Run {now}, {wall_s:.0f} s in all; code: {_source()}.
+- Machine: **{gpus} x {name}**, {platform.machine()} {_cpu_model()}, {os.cpu_count()} cores; Python
+  {platform.python_version()}, torch {torch.__version__}, grpcio {grpc.__version__}. Load average at start / end:
+  {loads[0]} / {loads[1]}.
+
+## Setup
+
+- DDP: `DistributedDataParallel` over NCCL, {gpus} rank(s), one GPU each, a pinned `DataLoader` with a
+  `DistributedSampler`; torch's default threads; SGD on the GPU. A step ends with `torch.cuda.synchronize()`.
+- pstrain: a real local cluster on 127.0.0.1, **one worker driving all {gpus} GPU(s)** (the design's layout: the
+  host sums its GPUs' gradients in pinned host memory, S2) and **{args.ps_shards} CPU PS shard process(es)**
+  that run the SGD update (each with the shard's own intra-op threads); buckets: {buckets}; checkpoints off.
+- Same model factory, seeded initial weights, synthetic data, samples per GPU per step, SGD lr {LR} momentum
+  {MOMENTUM} on gradients averaged over the GPUs; {args.rounds} round(s) per case, the order alternating, each
+  {steps.warm} warm-up and {steps.measured} measured steps. Columns as in `step.md`.
+
+## Results
+
+{table(rows)}
+
+CPU time per measured step, summed over each system's processes:
+
+{cpu_table(rows)}
+
+Median step per round:
+
+{per_round}
+"""
+    CUDA_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    CUDA_RESULTS.write_text(text)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -660,6 +744,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--push-dtype", choices=("float32", "bfloat16"), help="pstrain transport.push_dtype (default: float32)"
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: DDP over NCCL vs one pstrain worker on the GPUs; cases with larger batches; "
+        f"results to {CUDA_RESULTS.relative_to(ROOT)}",
+    )
+    p.add_argument("--processes", type=int, help=f"training processes (cpu, default {PROCESSES}) or GPUs (cuda: all)")
     p.add_argument("--cases", help="comma-separated case numbers to run (1-based; default all)")
     p.add_argument("--no-write", action="store_true", help=f"print only, do not write {RESULTS.relative_to(ROOT)}")
     p.add_argument("--keep", action="store_true", help="keep the run directories (logs, metrics.jsonl)")
@@ -679,7 +771,16 @@ def main(argv: list[str] | None = None) -> int:
         ddp_compute=5 if args.quick else 8,
     )
     args.rounds = args.rounds or (1 if args.quick else 2)
-    cases = [CASES[int(i) - 1] for i in args.cases.split(",")] if args.cases else list(CASES)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this host has no CUDA device")
+        args.processes = args.processes or torch.cuda.device_count()
+        catalogue = CUDA_CASES
+    else:
+        args.processes = args.processes or PROCESSES
+        catalogue = CASES
+    chosen = [catalogue[int(i) - 1] for i in args.cases.split(",")] if args.cases else list(catalogue)
+    cases = [replace(case, device=args.device, processes=args.processes) for case in chosen]
     load_start = _load()
     started = time.monotonic()
     print(f"load average at start: {load_start}; {len(cases)} case(s), {args.rounds} round(s), {steps}", flush=True)
@@ -718,8 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     load_end = _load()
     print(f"load average at end: {load_end}\n\n{table(rows)}\n\n{cpu_table(rows)}")
     if not args.no_write:
-        write_results(rows, steps, args, (load_start, load_end), time.monotonic() - started)
-        print(f"\nwrote {RESULTS.relative_to(ROOT)}")
+        write = write_cuda_results if args.device == "cuda" else write_results
+        write(rows, steps, args, (load_start, load_end), time.monotonic() - started)
+        print(f"\nwrote {(CUDA_RESULTS if args.device == 'cuda' else RESULTS).relative_to(ROOT)}")
     return 0
 
 

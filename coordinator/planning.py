@@ -95,21 +95,38 @@ def measure_host_bandwidth(nbytes: int = 256 << 20) -> float:
     return 3 * nbytes / (time.perf_counter() - started)
 
 
+def planning_gpu(cfg: JobConfig) -> torch.device | None:
+    """The GPU of this host that stands for the workers' when the job file gives no sizes, or None.
+
+    The coordinator usually runs on a host like the workers'. A job that lists only CPU devices
+    (``devices_per_worker: [cpu, cpu]``) trains on CPU stand-ins even where this host has a GPU, so
+    that GPU says nothing about the job: no memory budget from it, no bandwidth measured to it.
+    """
+    if not torch.cuda.is_available():
+        return None
+    listed = [torch.device(name) for name in cfg.cluster.device_list]
+    if not listed:
+        return torch.device("cuda", 0)
+    gpus = [d for d in listed if d.type == "cuda" and (d.index or 0) < torch.cuda.device_count()]
+    return torch.device("cuda", gpus[0].index or 0) if gpus else None
+
+
 def budget_for(
     cfg: JobConfig, device_memory: str | None = None, bandwidth: str | None = None, host_memory: str | None = None
 ) -> MemoryBudget | None:
+    gpu = planning_gpu(cfg)
     memory = device_memory or cfg.memory.device_memory
     if memory is not None:
         device_bytes = parse_bytes(memory)
-    elif torch.cuda.is_available():
-        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    elif gpu is not None:
+        device_bytes = torch.cuda.get_device_properties(gpu).total_memory
     else:
         return None
     rate = bandwidth or cfg.memory.bandwidth
     if rate is not None:
         rate_bytes = float(parse_bytes(rate))
-    elif torch.cuda.is_available():
-        rate_bytes = measure_bandwidth(torch.device("cuda", 0))
+    elif gpu is not None:
+        rate_bytes = measure_bandwidth(gpu)
     else:
         rate_bytes = DEFAULT_BANDWIDTH
     host = host_memory or cfg.memory.host_memory
@@ -194,7 +211,7 @@ def plan_job(
         )
     plan = make_plan(cfg, batch)
     warnings = _lr_warnings(cfg, plan)
-    if profile.device == "cpu" and (cfg.memory.device_memory or device_memory or torch.cuda.is_available()):
+    if profile.device == "cpu" and (cfg.memory.device_memory or device_memory or planning_gpu(cfg) is not None):
         then = (
             "the master worker's own profile replaces it when its probe reports (memory.probe: true)"
             if cfg.memory.probe

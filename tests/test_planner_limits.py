@@ -12,12 +12,12 @@ from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.planning import describe, plan_job
 from pstrain.planner.memory_plan import MemoryBudget, batch_limits, largest_model, max_batch, plan_for_batch
 from pstrain.planner.profiler import LayerProfile, ModelProfile
-from tests.helpers import REPO_ROOT, classification_set, write_job
+from tests.helpers import REPO_ROOT, child_env, classification_set, write_job
 
 RAW = {
     "model": {"factory": "tests.helpers:odd_mlp"},
     "data": {"factory": "tests.helpers:classification_set", "kwargs": {"n": 64}},
-    "cluster": {"workers": 2, "devices_per_worker": 2},
+    "cluster": {"workers": 2, "devices_per_worker": ["cpu", "cpu"]},  # stand-ins on any host, a GPU host too
 }
 
 
@@ -136,6 +136,7 @@ def test_pstrain_plan_measures_bandwidth_and_takes_host_memory(tmp_path):
         [sys.executable, "-m", "pstrain.launcher.cli", "plan", "--config", str(job), "--device-memory", "256KiB"]
         + ["--host-memory", "2GiB", "--measure-bandwidth"],
         cwd=REPO_ROOT,
+        env=child_env("plan"),  # no GPU visible: the copy it measures is the host's
         capture_output=True,
         text=True,
         timeout=120,

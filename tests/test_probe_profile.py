@@ -33,7 +33,7 @@ RAW = {
     "model": {"factory": "tests.helpers:odd_mlp", "kwargs": {"inputs": 64, "hidden": 256, "classes": 4}},
     "data": {"factory": "tests.helpers:classification_set", "kwargs": {"n": 4096, "inputs": 64}},
     "batch": {"per_device": 64, "lr_scaling": "none"},
-    "cluster": {"workers": 1, "devices_per_worker": 1},
+    "cluster": {"workers": 1, "devices_per_worker": ["cpu"]},  # a stand-in on any host: budgets come from the tests
 }
 
 
