@@ -696,13 +696,14 @@ def write_cuda_results(
 
 - Run {now}, {wall_s:.0f} s in all; code: {_source()}.
 - Machine: **{gpus} x {name}**, {platform.machine()} {_cpu_model()}, {os.cpu_count()} cores; Python
-  {platform.python_version()}, torch {torch.__version__}, grpcio {grpc.__version__}. Load average at start / end:
-  {loads[0]} / {loads[1]}.
+  {platform.python_version()}, torch {torch.__version__}, grpcio {grpc.__version__}. Load average (1 / 5 / 15 min):
+  {loads[0]} at the start, {loads[1]} at the end.
 
 ## Setup
 
-- DDP: `DistributedDataParallel` over NCCL, {gpus} rank(s), one GPU each, a pinned `DataLoader` with a
-  `DistributedSampler`; torch's default threads; SGD on the GPU. A step ends with `torch.cuda.synchronize()`.
+- DDP: `DistributedDataParallel` over NCCL, {gpus} rank(s), one GPU each (with one GPU: plain local
+  training), a pinned `DataLoader` with a `DistributedSampler`; torch's default threads; SGD on the GPU.
+  A step ends with `torch.cuda.synchronize()`.
 - pstrain: a real local cluster on 127.0.0.1, **one worker driving all {gpus} GPU(s)** (the design's layout: the
   host sums its GPUs' gradients in pinned host memory, S2) and **{args.ps_shards} CPU PS shard process(es)**
   that run the SGD update (each with the shard's own intra-op threads); buckets: {buckets}; checkpoints off.

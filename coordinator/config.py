@@ -574,6 +574,14 @@ class JobConfig:
             "transport.max_waiting_pulls",
             f"must be at least cluster.workers ({self.cluster.workers}), got {self.transport.max_waiting_pulls}",
         )
+        gpus = [d if ":" in d else "cuda:0" for d in self.cluster.device_list if d.startswith("cuda")]
+        twice = sorted({d for d in gpus if gpus.count(d) > 1})
+        _require(  # each GPU has one autograd thread; the offloaded replicas' gradient sum takes turns across them
+            not (self.memory.offload_params and twice),
+            "cluster.devices_per_worker",
+            f"lists {', '.join(twice)} more than once, which memory.offload_params cannot run: the replicas' "
+            "backward passes would share that GPU's one autograd thread and wait on each other's gradients",
+        )
         _require(
             self.loss in BUILTIN_LOSSES or ":" in self.loss,
             "loss",

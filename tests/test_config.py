@@ -26,7 +26,7 @@ def with_(section, **values):
 def test_example_job_file_loads_with_documented_values():
     cfg = load_config(REPO / "examples" / "digits.yaml")
     assert isinstance(cfg, JobConfig)
-    assert cfg.cluster.workers == 2 and cfg.cluster.device_count == 2 and cfg.data.shard_size == 256
+    assert cfg.cluster.workers == 2 and cfg.cluster.device_list == ["cpu", "cpu"] and cfg.data.shard_size == 256
     assert cfg.optimizer.name == "sgd" and cfg.optimizer.momentum == 0.9
 
 
@@ -39,6 +39,18 @@ def test_defaults_fill_missing_sections():
 def test_device_list():
     cfg = parse_config(with_("cluster", devices_per_worker=["cuda:0", "cuda:1", "cuda:3"]))
     assert cfg.cluster.device_count == 3 and cfg.cluster.device_list == ["cuda:0", "cuda:1", "cuda:3"]
+
+
+def test_whole_layer_offload_refuses_a_gpu_listed_twice():
+    """Seen on a one-GPU host: two offloaded replicas on cuda:0 waited on each other's gradient turn for good."""
+    twice = {**with_("cluster", devices_per_worker=["cuda", "cuda:0"]), "memory": {"offload_params": True}}
+    with pytest.raises(ConfigError, match=r"cluster\.devices_per_worker: lists cuda:0 more than once"):
+        parse_config(twice)
+    assert parse_config({**twice, "memory": {}}).cluster.device_count == 2  # replicas without offload share a GPU
+    apart = {**with_("cluster", devices_per_worker=["cuda:0", "cuda:1"]), "memory": {"offload_params": True}}
+    assert parse_config(apart).memory.offload_params
+    stand_ins = {**with_("cluster", devices_per_worker=["cpu", "cpu"]), "memory": {"offload_params": True}}
+    assert parse_config(stand_ins).cluster.device_count == 2  # CPU stand-ins backward in their own threads
 
 
 @pytest.mark.parametrize(

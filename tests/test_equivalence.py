@@ -164,23 +164,27 @@ def test_other_cluster_shapes(tmp_path, workers, devices, shards):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("memory", [{}, {"offload_params": True}], ids=["replicas", "whole-layer-offload"])
-def test_cuda_replicas_train_as_torch_optim(tmp_path, memory):
-    """The GPU path end to end: each worker's 2 replicas on cuda:0, host sums over PCIe, pinned buffers."""
+@pytest.mark.parametrize(
+    "devices, memory",
+    [(["cuda:0", "cuda:0"], {}), (["cuda:0"], {"offload_params": True})],
+    ids=["two-replicas-on-one-gpu", "whole-layer-offload"],
+)
+def test_cuda_workers_train_as_torch_optim(tmp_path, devices, memory):
+    """The GPU path end to end: replicas on cuda:0, host sums over PCIe, pinned buffers (a one-GPU host)."""
     job = write_job(
         tmp_path / "job.yaml",
         data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL}, "shard_size": 8},
         optimizer=SGD_MOMENTUM,
-        batch=LINEAR,
+        batch={"per_device": GLOBAL // (WORKERS * len(devices)), "lr_scaling": "linear"},
         job={"steps": STEPS, "seed": 3},
-        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": ["cuda:0", "cuda:0"]},
+        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": devices},
         **({"memory": memory} if memory else {}),
     )
     marker = uuid.uuid4().hex
     result = run_local(job, tmp_path / "out", marker, gpus=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cuda:0" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
-    expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * DEVICES, momentum=0.9)
+    expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * len(devices), momentum=0.9)
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)
     assert not pids_with_marker(marker)
 

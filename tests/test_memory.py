@@ -149,6 +149,30 @@ def test_saved_tensors_do_not_stay_on_the_device_during_forward():
     assert alive_swap <= one_layer * (1 + 2), f"{alive_swap} bytes of saved tensors stayed behind"
 
 
+def test_a_swapped_tensor_that_the_next_kept_layer_saves_too_leaves_the_device():
+    """A ReLU marked swap saves its output; the next Linear, kept, saves the same tensor as its input.
+
+    The profile counts that tensor for the ReLU, so the plan expects the swap to free it. Before the kept
+    layers followed the swap, the Linear's reference held it for backward: on an H100 the planned batch
+    ran out of memory at the seventh layer. Here a CPU stand-in shows the same through the tensors' lives.
+    """
+    x, y = mlp_batch(64)
+    model = mlp(depth=6)
+    relus = [name for name, module in model.named_children() if isinstance(module, nn.ReLU)]
+    outputs: list[weakref.ref] = []
+    for name in relus:
+        model.get_submodule(name).register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    offload = SwapToHost(prefetch=2).ignore_parameters(model)
+    apply_layer_policies(model, dict.fromkeys(relus, "swap"), offload)
+    offload.reset()
+    loss = CE(model(x), y)
+    assert len(outputs) == len(relus) and all(ref() is None for ref in outputs), "a swapped output stayed alive"
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert torch.equal(torch.cat([g.reshape(-1) for g in grads]), gradients(mlp(depth=6), x, y))
+    assert offload.stats.swapped_in_bytes == offload.stats.swapped_out_bytes == len(relus) * 64 * 48 * 4
+
+
 def test_unknown_layer_or_policy_is_rejected():
     with pytest.raises(ValueError, match="does not have"):
         apply_layer_policies(mlp(), {"9": "swap"}, SwapToHost())

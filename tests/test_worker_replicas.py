@@ -7,7 +7,7 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.layout import ParamLayout
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.devices import DeviceError, resolve_devices
-from pstrain.worker.replicas import ReplicaSet
+from pstrain.worker.replicas import MemoryPolicy, ReplicaSet
 from tests.helpers import bn_mlp, classification_set, odd_mlp
 
 
@@ -79,6 +79,13 @@ def test_buffers_come_from_the_first_replica():
     x, y = classification_set(8).tensors
     replicas.forward_backward(list(x.chunk(2)), list(y.chunk(2)), torch.nn.functional.cross_entropy)
     assert torch.equal(replicas.buffers()["1.running_mean"], replicas.replicas[0].model[1].running_mean)
+
+
+def test_whole_layer_offload_refuses_a_gpu_named_twice_before_allocating():
+    layout = ParamLayout.of(odd_mlp())
+    offload = MemoryPolicy({}, offload_params=True)
+    with pytest.raises(ValueError, match=r"name a GPU twice.*autograd thread"):
+        ReplicaSet(odd_mlp, [torch.device("cuda", 0), torch.device("cuda")], layout, offload)  # no CUDA needed
 
 
 def test_device_resolution_without_cuda():

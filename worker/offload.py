@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,10 @@ class SwapToHost:
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    def follower_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks for the layers that keep their tensors (``follow``); a swap layer's own ``hooks`` nest inside."""
+        return torch.autograd.graph.saved_tensors_hooks(self.follow, self.unpack)
+
     def reset(self) -> None:
         """Forget the last step's tensors; call before each forward."""
         self._saved.clear()
@@ -88,17 +93,39 @@ class SwapToHost:
 
     # -------------------------------------------------------------- forward
 
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+        storage_ptr = tensor.untyped_storage().data_ptr()
+        return storage_ptr, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+    def _share(self, key: tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]) -> int | None:
+        """The index of the live tensor under ``key`` already on its way to the host, counted once more."""
+        hit = self._by_storage.get(key)
+        if hit is None or hit[1]() is None:
+            return None
+        self._saved[hit[0]].uses += 1
+        return hit[0]
+
+    def follow(self, tensor: torch.Tensor) -> Any:
+        """``pack`` for a layer that keeps its tensors: one a swap layer already sent to the host is shared.
+
+        A ReLU marked "swap" saves its output, and the next Linear, kept, saves the same tensor as its
+        input. Kept as is, that reference held the device copy for backward and the swap freed nothing
+        (seen on an H100: the planned batch ran out of memory). The profile counts a tensor for the
+        layer that saves it first, so only the savers after a swap layer must follow it.
+        """
+        index = self._share(self._key(tensor))
+        return tensor if index is None else index
+
     def pack(self, tensor: torch.Tensor) -> Any:
         nbytes = tensor.numel() * tensor.element_size()
         storage_ptr = tensor.untyped_storage().data_ptr()
         if storage_ptr in self._param_ptrs or nbytes < self.min_bytes or tensor.is_sparse:
             return tensor
-        key = (storage_ptr, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        hit = self._by_storage.get(key)
-        if hit is not None and hit[1]() is not None:  # the same live tensor saved twice: one copy
-            index = hit[0]
-            self._saved[index].uses += 1
-            return index
+        key = self._key(tensor)
+        shared = self._share(key)  # the same live tensor saved twice: one copy
+        if shared is not None:
+            return shared
         host = self._host_buffer(tensor)
         entry = _Saved(host, tensor.device)
         if tensor.device.type == "cuda":
@@ -213,25 +240,32 @@ def apply_layer_policies(model: nn.Module, policies: dict[str, str], offload: Sw
     change, so the flat parameter layout stays the same. Returns the hook handles.
     """
     named = dict(model.named_modules())
-    handles: list[Any] = []
-    for name, policy in policies.items():
+    for name, policy in policies.items():  # the whole plan is checked before any layer changes
         if name not in named:
             raise ValueError(f"the plan names layer {name!r}, which the model does not have")
-        module = named[name]
-        if policy == "swap":
-            handles += _swap_hooks(module, offload)
-        elif policy == "recompute":
-            _recompute(module)
-        elif policy != "keep":
+        if policy not in ("keep", "swap", "recompute"):
             raise ValueError(f"unknown policy {policy!r} for layer {name!r}: use keep, swap or recompute")
+    handles: list[Any] = []
+    if "swap" in policies.values():
+        handles += _enter_around(model, offload.follower_hooks)  # outermost: a swap layer's own hooks nest inside
+    for name, policy in policies.items():
+        if policy == "swap":
+            handles += _swap_hooks(named[name], offload)
+        elif policy == "recompute":
+            _recompute(named[name])
     return handles
 
 
 def _swap_hooks(module: nn.Module, offload: SwapToHost) -> list[Any]:
+    return _enter_around(module, offload.hooks)
+
+
+def _enter_around(module: nn.Module, hooks: Callable[[], Any]) -> list[Any]:
+    """Run ``module``'s forward inside a fresh ``hooks()`` context (a stack: a module may run re-entrantly)."""
     contexts: list[Any] = []
 
     def enter(mod: nn.Module, args: object) -> None:
-        ctx = offload.hooks()
+        ctx = hooks()
         ctx.__enter__()
         contexts.append(ctx)
 

@@ -18,7 +18,8 @@ loader pulls it again), and a skipped bucket's pull starts once the skip is ackn
 Pull side (``BucketLoader``). The next step's forward waits only for the buckets a module uses:
 a forward pre-hook on each module that holds parameters of its own waits for the buckets of its
 whole subtree (so a module that reads a child's weight directly, as ``MultiheadAttention`` reads
-``out_proj.weight``, is covered) and copies them into that device's replica; modules without
+``out_proj.weight``, is covered) and copies them into that device's replica (a GPU's; a CPU
+stand-in reads the host buffer the pull wrote, so there is nothing to copy); modules without
 parameters of their own are walked into. After forward every bucket not yet loaded (parameters
 no module called) is loaded, so backward always sees one version. A forward that reads a
 parameter of a module outside its own subtree before that module ran would see the previous

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from pstrain.runtime.layout import ParamLayout
+from pstrain.worker.offload import SwapToHost
 
 
 @dataclass
@@ -57,6 +58,13 @@ class _Layer:
     on_device: list[torch.Tensor] | None = None
     ready: Any = None  # CUDA event of the copy in flight
     saved: dict[int, int] = field(default_factory=dict)  # device storage ptr -> parameter position
+
+
+@dataclass(frozen=True)
+class _Activation:
+    """What a layer's pack hook returns for an activation: ``SwapToHost.follow``'s result."""
+
+    packed: Any
 
 
 class HostGradSum:
@@ -121,6 +129,9 @@ class ParamOffload:
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
         self._contexts: dict[int, list[Any]] = {}  # layer index -> saved-tensor hook contexts entered in forward
+        # Activation swap (``worker.offload``) when the plan has swap layers: a kept layer's hooks are these, not
+        # its follower hooks, so an activation a swap layer already sent to the host is shared through it here.
+        self.activations: SwapToHost | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -254,8 +265,8 @@ class ParamOffload:
     def _pack(self, layer: _Layer) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
             i = layer.saved.get(tensor.untyped_storage().data_ptr())
-            if i is None:
-                return tensor  # an activation: activation swap (worker.offload) handles it if planned
+            if i is None:  # an activation: a swap layer's own hooks take it; here only the ones it already took
+                return tensor if self.activations is None else _Activation(self.activations.follow(tensor))
             return (i, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
         return pack
@@ -264,6 +275,9 @@ class ParamOffload:
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
+            if isinstance(packed, _Activation):
+                assert self.activations is not None
+                return self.activations.unpack(packed.packed)
             i, offset, shape, stride = packed
             on_device = layer.on_device if layer.on_device is not None else self._use(layer)
             return on_device[i].as_strided(shape, stride, offset)

@@ -3,7 +3,9 @@
 Every replica's parameters and gradients are views into one flat buffer per device, so
 "send the gradients to the host" is one device->host copy per device and "load the new
 parameters" is one host->device copy per device. The host buffers are pinned when any
-device is a GPU, so those copies run asynchronously.
+device is a GPU, so those copies run asynchronously. A CPU stand-in's parameters are views of
+the host parameter buffer itself, and with whole-layer offload every replica's are: for them
+loading copies nothing.
 
 With ``attach`` (S4, ``worker.overlap``) the same copies happen per gradient bucket: hooks on
 every replica's parameters report each gradient as backward produces it (the bucket's
@@ -65,6 +67,7 @@ class Replica:
             flat_params, flat_grads, params = offload_layers(model, device, layout, pin, memory.prefetch, shared)
             swap = SwapToHost(memory.prefetch, memory.pinned_limit_bytes).ignore_parameters(model)
             apply_layer_policies(model, memory.layer_policies, swap)
+            params.activations = swap if "swap" in memory.layer_policies.values() else None
             return cls(device, model, layout, flat_params, flat_grads, flat_grads, swap, params)
         model = model.to(device)
         if device.type == "cpu" and host_params is not None:
@@ -107,7 +110,7 @@ class Replica:
     def load_bucket(self, source: torch.Tensor, bucket: Bucket) -> None:
         """Copy one bucket of new parameters from the host buffer ``source`` into this replica."""
         if self.flat_params.data_ptr() == source.data_ptr():
-            return  # whole-layer offload: the replica reads the host buffer itself
+            return  # a CPU stand-in or whole-layer offload: the replica reads the host buffer itself
         with torch.no_grad():
             self.flat_params[bucket.start : bucket.end].copy_(source[bucket.start : bucket.end], non_blocking=True)
 
@@ -133,6 +136,12 @@ class ReplicaSet:
     ):
         if not devices:
             raise ValueError("a worker needs at least one device")
+        gpus = [torch.device(d.type, d.index or 0) for d in devices if d.type == "cuda"]
+        if memory is not None and memory.offload_params and len(set(gpus)) < len(gpus):  # config.py says it too
+            raise ValueError(
+                f"devices {[str(d) for d in devices]} name a GPU twice, which whole-layer offload cannot run: the "
+                "replicas' backward passes would share that GPU's one autograd thread and wait on each other's turn"
+            )
         self.layout = layout
         self.devices = devices
         pin = any(d.type == "cuda" for d in devices)
