@@ -65,7 +65,7 @@ def write_job(path: Path) -> Path:
         "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
         "batch": {"per_device": 16},
         "job": {"steps": 1_000_000, "seed": 1, "name": "abuse"},
-        "cluster": {"ps_shards": 2, "workers": 2, "devices_per_worker": 1},
+        "cluster": {"ps_shards": 2, "workers": 2, "devices_per_worker": ["cpu"]},
         "transport": {"heartbeat_s": 0.5, "heartbeat_timeout_s": 30.0},
         "checkpoint": {"every_steps": 0},
     }

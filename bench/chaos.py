@@ -50,7 +50,7 @@ def write_job(path: Path, steps: int, hidden: int, every: int, kills: int) -> Pa
         "optimizer": {"name": "adam", "lr": 0.001},
         "batch": {"per_device": 16, "lr_scaling": "sqrt"},
         "job": {"steps": steps, "seed": 5, "name": "chaos"},
-        "cluster": {"ps_shards": 2, "workers": 2, "devices_per_worker": 2},
+        "cluster": {"ps_shards": 2, "workers": 2, "devices_per_worker": ["cpu", "cpu"]},
         "transport": {"heartbeat_s": 0.5, "heartbeat_timeout_s": 30.0},
         "checkpoint": {"every_steps": every, "keep": 2},
         "fault": {"max_restarts": kills + 5, "restart_backoff_s": 0.0},

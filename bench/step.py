@@ -302,7 +302,7 @@ def _job(
         "cluster": {
             "ps_shards": ps_shards,
             "workers": _workers(case),
-            "devices_per_worker": case.processes if case.cuda else 1,
+            "devices_per_worker": case.processes if case.cuda else ["cpu"],
         },
         "checkpoint": {"every_steps": 0},  # this measures steps, not checkpoints
     }

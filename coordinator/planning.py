@@ -102,13 +102,16 @@ def planning_gpu(cfg: JobConfig) -> torch.device | None:
     (``devices_per_worker: [cpu, cpu]``) trains on CPU stand-ins even where this host has a GPU, so
     that GPU says nothing about the job: no memory budget from it, no bandwidth measured to it.
     """
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or _only_cpus(cfg):
         return None
     listed = [torch.device(name) for name in cfg.cluster.device_list]
-    if not listed:
-        return torch.device("cuda", 0)
-    gpus = [d for d in listed if d.type == "cuda" and (d.index or 0) < torch.cuda.device_count()]
-    return torch.device("cuda", gpus[0].index or 0) if gpus else None
+    here = [d for d in listed if d.type == "cuda" and (d.index or 0) < torch.cuda.device_count()]
+    return torch.device("cuda", here[0].index or 0) if here else torch.device("cuda", 0)  # a GPU like theirs
+
+
+def _only_cpus(cfg: JobConfig) -> bool:
+    listed = cfg.cluster.device_list
+    return bool(listed) and all(torch.device(name).type == "cpu" for name in listed)
 
 
 def budget_for(
@@ -211,7 +214,8 @@ def plan_job(
         )
     plan = make_plan(cfg, batch)
     warnings = _lr_warnings(cfg, plan)
-    if profile.device == "cpu" and (cfg.memory.device_memory or device_memory or planning_gpu(cfg) is not None):
+    gpu_job = cfg.memory.device_memory or device_memory or planning_gpu(cfg) is not None
+    if profile.device == "cpu" and gpu_job and not _only_cpus(cfg):
         then = (
             "the master worker's own profile replaces it when its probe reports (memory.probe: true)"
             if cfg.memory.probe

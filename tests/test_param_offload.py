@@ -88,6 +88,20 @@ def test_a_kept_layer_shares_what_a_swap_layer_sent_to_the_host():
     assert torch.equal(replica.staging, reference.staging)
 
 
+@pytest.mark.parametrize("policies", [{"3": "swap"}, {"4": "swap", "5": "swap"}], ids=["linear", "tanh-and-linear"])
+def test_a_swap_layer_with_offloaded_parameters_swaps_its_activations_and_not_its_weights(policies):
+    """Layer 3 is a Linear: its input goes to the host; its weight, already a copy of the host buffer, does not."""
+    layout = ParamLayout.of(model())
+    replica = Replica.build(model(), torch.device("cpu"), layout, False, MemoryPolicy(policies, 1, 4 << 30, True))
+    x, y = batches(1)[0]
+    replica.forward_backward(x, y, CE)
+    assert replica.offload is not None
+    assert replica.offload.stats.swapped_out_bytes == replica.offload.stats.swapped_in_bytes == len(x) * 32 * 4
+    reference = Replica.build(model(), torch.device("cpu"), layout, False, MemoryPolicy({}, 1, 4 << 30, True))
+    reference.forward_backward(x, y, CE)
+    assert torch.equal(replica.staging, reference.staging)
+
+
 def test_only_the_running_layer_points_away_from_the_host_buffer():
     m = model()
     layout = ParamLayout.of(m)

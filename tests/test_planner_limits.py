@@ -117,9 +117,9 @@ def test_linear_scaling_past_the_threshold_warns_and_proposes_layerwise_optimize
 
 
 def test_plan_shows_both_limits_each_policy_and_cpu_measured_times():
-    plan = job_plan(
-        samples=10**5, batch={"per_device": "auto"}, memory={"device_memory": "64KiB", "host_memory": "8GiB"}
-    )
+    memory = {"device_memory": "64KiB", "host_memory": "8GiB"}
+    gpus = {"workers": 2, "devices_per_worker": ["cuda:0", "cuda:1"]}  # planned here, on any host
+    plan = job_plan(samples=10**5, batch={"per_device": "auto"}, memory=memory, cluster=gpus)
     text = describe(plan)
     assert "largest batch: device-fit" in text and "host-fit" in text and "binds: device" in text
     for policy in ("keep", "swap activations", "whole-layer offload"):
@@ -128,6 +128,8 @@ def test_plan_shows_both_limits_each_policy_and_cpu_measured_times():
     keep, swap, offload = (m for _, m, _ in plan.largest_models)
     assert offload > keep and swap >= keep
     assert "measured on this host's CPU" in text and "memory.probe: true" in text
+    stand_ins = job_plan(samples=10**5, batch={"per_device": "auto"}, memory=memory)  # CPU workers: CPU times fit
+    assert "measured on this host's CPU" not in describe(stand_ins)
 
 
 def test_pstrain_plan_measures_bandwidth_and_takes_host_memory(tmp_path):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PINNED_LIMIT_BYTES = 4 << 30
 
+# storage address, offset, shape, stride, dtype, version: one live tensor saved more than once
+_Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, int]
+
 
 @dataclass
 class _Saved:
@@ -34,6 +38,16 @@ class _Saved:
     on_device: torch.Tensor | None = None  # the original until its copy is done, or the prefetched copy
     ready: torch.cuda.Event | None = None
     uses: int = 1  # how many saved slots refer to this tensor; it stays until the last is unpacked
+
+
+@dataclass(frozen=True)
+class _View:
+    """A saved tensor that is a view of a swapped one (a 3-D input a Linear reshapes to 2-D, a flatten)."""
+
+    index: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 @dataclass
@@ -60,7 +74,10 @@ class SwapToHost:
         self._saved: list[_Saved] = []
         # Dedupe of a tensor saved twice. A hit counts only while the first tensor is alive: once
         # it is freed, the allocator may give its address to a new tensor of the same shape.
-        self._by_storage: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], tuple[int, Any]] = {}
+        self._by_key: dict[_Key, tuple[int, Any]] = {}
+        # Swapped tensors that cover their whole storage, by address: a view of one is rebuilt from its copy.
+        self._whole: dict[tuple[int, torch.dtype], tuple[int, Any, int]] = {}
+        self._swapping = 0  # how many swap layers' forwards are running (``take`` packs inside one)
         self._pinned_bytes = 0
         self._warned = False
         self._stream: torch.cuda.Stream | None = None
@@ -75,8 +92,15 @@ class SwapToHost:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         return self
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The hooks a swap layer runs its forward in."""
+        self._swapping += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._swapping -= 1
 
     def follower_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks for the layers that keep their tensors (``follow``); a swap layer's own ``hooks`` nest inside."""
@@ -85,7 +109,8 @@ class SwapToHost:
     def reset(self) -> None:
         """Forget the last step's tensors; call before each forward."""
         self._saved.clear()
-        self._by_storage.clear()
+        self._by_key.clear()
+        self._whole.clear()
         self._in_flight.clear()
         self._pinned_bytes = 0
         self._in_forward = True
@@ -94,36 +119,53 @@ class SwapToHost:
     # -------------------------------------------------------------- forward
 
     @staticmethod
-    def _key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    def _key(tensor: torch.Tensor) -> _Key:
         storage_ptr = tensor.untyped_storage().data_ptr()
-        return storage_ptr, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+        shape, stride = tuple(tensor.shape), tuple(tensor.stride())
+        return storage_ptr, int(tensor.storage_offset()), shape, stride, tensor.dtype, tensor._version
 
-    def _share(self, key: tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]) -> int | None:
-        """The index of the live tensor under ``key`` already on its way to the host, counted once more."""
-        hit = self._by_storage.get(key)
-        if hit is None or hit[1]() is None:
+    def _shared(self, tensor: torch.Tensor) -> int | _View | None:
+        """The live tensor already on its way to the host that ``tensor`` is, or views, counted once more.
+
+        A hit counts only while the swapped tensor is alive: once it is freed, the allocator may give
+        its address to a new tensor.
+        """
+        hit = self._by_key.get(self._key(tensor))
+        if hit is not None and hit[1]() is not None:
+            self._saved[hit[0]].uses += 1
+            return hit[0]
+        whole = self._whole.get((tensor.untyped_storage().data_ptr(), tensor.dtype))
+        if whole is None or whole[1]() is None or whole[2] != tensor._version:
             return None
-        self._saved[hit[0]].uses += 1
-        return hit[0]
+        self._saved[whole[0]].uses += 1
+        return _View(whole[0], int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
+
+    def take(self, tensor: torch.Tensor) -> Any:
+        """``pack`` inside a swap layer's forward, ``follow`` outside: for hooks that sit inside both."""
+        return self.pack(tensor) if self._swapping else self.follow(tensor)
 
     def follow(self, tensor: torch.Tensor) -> Any:
         """``pack`` for a layer that keeps its tensors: one a swap layer already sent to the host is shared.
 
-        A ReLU marked "swap" saves its output, and the next Linear, kept, saves the same tensor as its
-        input. Kept as is, that reference held the device copy for backward and the swap freed nothing
-        (seen on an H100: the planned batch ran out of memory). The profile counts a tensor for the
-        layer that saves it first, so only the savers after a swap layer must follow it.
+        A ReLU marked "swap" saves its output, and the next Linear, kept, saves the same tensor (or, for
+        a 3-D input, a 2-D view of it) as its input. Kept as is, that reference held the device copy for
+        backward and the swap freed nothing (seen on an H100: the planned batch ran out of memory). The
+        profile counts a tensor for the layer that saves it first, so only the savers after a swap
+        layer must follow it.
         """
-        index = self._share(self._key(tensor))
-        return tensor if index is None else index
+        if tensor.layout != torch.strided:
+            return tensor
+        shared = self._shared(tensor)
+        return tensor if shared is None else shared
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        nbytes = tensor.numel() * tensor.element_size()
-        storage_ptr = tensor.untyped_storage().data_ptr()
-        if storage_ptr in self._param_ptrs or nbytes < self.min_bytes or tensor.is_sparse:
+        if tensor.layout != torch.strided:  # sparse tensors have no storage of their own to copy
             return tensor
-        key = self._key(tensor)
-        shared = self._share(key)  # the same live tensor saved twice: one copy
+        nbytes = tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self._param_ptrs or nbytes < self.min_bytes:
+            return tensor
+        shared = self._shared(tensor)  # the same live tensor (or a view of it) saved twice: one copy
         if shared is not None:
             return shared
         host = self._host_buffer(tensor)
@@ -144,7 +186,10 @@ class SwapToHost:
         self.stats.swapped_out_bytes += nbytes
         self._saved.append(entry)
         index = len(self._saved) - 1
-        self._by_storage[key] = (index, weakref.ref(tensor))
+        alive = weakref.ref(tensor)
+        self._by_key[self._key(tensor)] = (index, alive)
+        if tensor.is_contiguous() and tensor.storage_offset() == 0 and nbytes == storage.nbytes():
+            self._whole[(storage.data_ptr(), tensor.dtype)] = (index, alive, tensor._version)
         self._release_finished_copies()
         return index
 
@@ -182,6 +227,8 @@ class SwapToHost:
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _View):  # the swapped tensor covered its storage: its copy is laid out the same
+            return self.unpack(packed.index).as_strided(packed.shape, packed.stride, packed.offset)
         if self._in_forward:
             self._in_forward = False
             self.stats.forward_peak_resident_bytes = self.stats.peak_resident_bytes
@@ -236,8 +283,10 @@ def apply_layer_policies(model: nn.Module, policies: dict[str, str], offload: Sw
     """Make the named layers swap (``"swap"``) or recompute (``"recompute"``) in place.
 
     Swap layers run their forward inside ``offload``'s hooks; recompute layers run under
-    ``torch.utils.checkpoint`` (non-reentrant). The module tree and parameter names do not
-    change, so the flat parameter layout stays the same. Returns the hook handles.
+    ``torch.utils.checkpoint`` (non-reentrant). When any layer swaps, the whole model runs inside
+    ``offload``'s follower hooks, so a kept layer that saves a tensor a swap layer already sent to
+    the host shares that copy instead of holding the device tensor. The module tree and parameter
+    names do not change, so the flat parameter layout stays the same. Returns the hook handles.
     """
     named = dict(model.named_modules())
     for name, policy in policies.items():  # the whole plan is checked before any layer changes
@@ -269,10 +318,10 @@ def _enter_around(module: nn.Module, hooks: Callable[[], Any]) -> list[Any]:
         ctx.__enter__()
         contexts.append(ctx)
 
-    def leave(mod: nn.Module, args: object, output: object) -> None:
+    def leave(mod: nn.Module, args: object, output: object) -> None:  # also when forward raised (always_call)
         contexts.pop().__exit__(None, None, None)
 
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
 
 def _recompute(module: nn.Module) -> None:

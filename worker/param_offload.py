@@ -129,8 +129,9 @@ class ParamOffload:
         self._layers: list[_Layer] = []
         self._handles: list[Any] = []
         self._contexts: dict[int, list[Any]] = {}  # layer index -> saved-tensor hook contexts entered in forward
-        # Activation swap (``worker.offload``) when the plan has swap layers: a kept layer's hooks are these, not
-        # its follower hooks, so an activation a swap layer already sent to the host is shared through it here.
+        # Activation swap (``worker.offload``) when the plan has swap layers. A layer's own hooks are the
+        # innermost, so every activation it saves passes through here and goes on to ``SwapToHost.take``:
+        # swapped inside a swap layer (or a block marked swap), shared if a swap layer already sent it.
         self.activations: SwapToHost | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -150,7 +151,7 @@ class ParamOffload:
             self._layers.append(layer)
             self._handles += [
                 module.register_forward_pre_hook(self._before_forward(layer)),
-                module.register_forward_hook(self._after_forward(layer)),
+                module.register_forward_hook(self._after_forward(layer), always_call=True),  # forward may raise
             ]
             for i, p in enumerate(params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(layer, i)))
@@ -265,8 +266,9 @@ class ParamOffload:
     def _pack(self, layer: _Layer) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
             i = layer.saved.get(tensor.untyped_storage().data_ptr())
-            if i is None:  # an activation: a swap layer's own hooks take it; here only the ones it already took
-                return tensor if self.activations is None else _Activation(self.activations.follow(tensor))
+            if i is None:  # an activation
+                taken = tensor if self.activations is None else self.activations.take(tensor)
+                return taken if taken is tensor else _Activation(taken)
             return (i, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
         return pack

@@ -64,9 +64,9 @@ class Replica:
     ) -> Replica:
         """``host_params``: the host's parameter buffer, which a CPU replica uses as its own (see ``ReplicaSet``)."""
         if memory is not None and memory.offload_params:  # issue 10: parameters and gradients stay on the host
+            swap = SwapToHost(memory.prefetch, memory.pinned_limit_bytes)
+            apply_layer_policies(model, memory.layer_policies, swap)  # first: the parameter hooks nest inside
             flat_params, flat_grads, params = offload_layers(model, device, layout, pin, memory.prefetch, shared)
-            swap = SwapToHost(memory.prefetch, memory.pinned_limit_bytes).ignore_parameters(model)
-            apply_layer_policies(model, memory.layer_policies, swap)
             params.activations = swap if "swap" in memory.layer_policies.values() else None
             return cls(device, model, layout, flat_params, flat_grads, flat_grads, swap, params)
         model = model.to(device)
