@@ -16,7 +16,9 @@ that worker reports it done; the data shards of a failed worker can be requeued 
 A replacement that resumes the slot at step ``t`` (the version it pulled) gets the slot
 ``reposition``-ed there: what the failed worker consumed before ``t`` counts as done (it was
 pushed), the data shard it was inside is handed out again from the first sample of step ``t``.
-Every completion is kept (``completed_ids``): the ledger that shows each sample trained once.
+Every completion is kept (``completed_ids``): the ledger that shows each sample trained once. It is
+kept as runs of ids (``IdRanges``), so it stays as small as the holes in it however long the job
+runs; a completion of an id already done (a bug) is kept apart and shows as a repeat.
 
 A slot whose worker was dropped (``cluster.min_workers``, issue 11) is positioned at the step it
 stops at and ``adopt``-ed by a live worker: that worker's requests then take the lowest fresh data
@@ -43,6 +45,7 @@ Thread-safe on its own: the tracker's lock is a leaf lock, never held while call
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -52,6 +55,9 @@ from typing import Any
 import torch
 
 from pstrain.coordinator.errors import UnknownMember
+from pstrain.coordinator.id_ranges import IdRanges
+
+log = logging.getLogger(__name__)
 
 Consumed = Callable[[int, int], int]
 """(worker, the step its stream began at) -> samples it consumed from its stream before a given step."""
@@ -87,7 +93,8 @@ class DataShardTracker:
         self._requeued: list[deque[DataShardAssignment]] = [deque() for _ in range(slots)]
         self._doing: dict[int, tuple[int, DataShardAssignment]] = {}  # data shard id -> (worker, data shard)
         self._done = 0
-        self._completed: list[int] = []  # data shard ids in completion order (a resumed tracker: since the resume)
+        self._completed = IdRanges()  # data shard ids completed (a resumed tracker: since the resume)
+        self._completed_again: list[int] = []  # ids completed a second time: empty unless something is wrong
         self._last: dict[int, tuple[int, DataShardAssignment]] = {}  # worker -> (seq, data shard) of its last request
         self._adopted: dict[int, int] = {}  # slot -> the live worker that serves it (cluster.min_workers)
         self._streams: dict[int, list[DataShardAssignment]] = {}  # worker -> data shards dispatched since its start
@@ -203,7 +210,7 @@ class DataShardTracker:
                 raise UnknownMember(f"data shard {data_shard_id} is not held by worker {worker_id}")
             del self._doing[data_shard_id]
             self._done += 1
-            self._completed.append(data_shard_id)
+            self._record_completed([data_shard_id])
 
     def reposition(
         self, worker_id: int, step: int, samples_per_step: int, consumed: Consumed | None = None
@@ -251,8 +258,14 @@ class DataShardTracker:
                 elif data_shard.data_shard_id in held or data_shard.data_shard_id >= dispatched_before:
                     finished.append(data_shard.data_shard_id)
             self._done += len(finished)
-            self._completed.extend(finished)
+            self._record_completed(finished)
             return finished
+
+    def _record_completed(self, ids: list[int]) -> None:
+        for dsid in ids:
+            if not self._completed.add(dsid):
+                log.error("data shard %d was completed twice: its samples were trained twice", dsid)
+                self._completed_again.append(dsid)
 
     def _rewind(self, worker_id: int, step: int, consumed: Consumed) -> list[int]:
         """Give back what ``worker_id`` did not consume before ``step`` (the lock held); returns the ids counted done.
@@ -268,7 +281,7 @@ class DataShardTracker:
         for dsid in [dsid for dsid, (w, _) in self._doing.items() if w == worker_id]:
             del self._doing[dsid]
         self._requeued = [deque(d for d in queue if d.data_shard_id not in ids) for queue in self._requeued]
-        completed = set(self._completed)
+        completed = self._completed
         finished: list[int] = []
         back: list[DataShardAssignment] = []
         for data_shard in stream:
@@ -281,14 +294,17 @@ class DataShardTracker:
             back.append(replace(data_shard, indices=data_shard.indices[left:]))
             left = 0
             if data_shard.data_shard_id in completed:
-                self._completed.remove(data_shard.data_shard_id)
+                if data_shard.data_shard_id in self._completed_again:
+                    self._completed_again.remove(data_shard.data_shard_id)
+                else:
+                    self._completed.discard(data_shard.data_shard_id)
                 self._done -= 1
         if left:
             raise RuntimeError(f"worker {worker_id} consumed {left} samples more than it was handed")
         for data_shard in reversed(back):
             self._requeued[data_shard.data_shard_id % self.slots].appendleft(data_shard)
         self._done += len(finished)
-        self._completed.extend(finished)
+        self._record_completed(finished)
         self._last.pop(worker_id, None)
         self._stream_start[worker_id] = step
         self._settled = max(self._settled, step)
@@ -350,9 +366,9 @@ class DataShardTracker:
             return at._snapshot()
 
     def completed_ids(self) -> list[int]:
-        """Every data shard completed through this tracker, in completion order (duplicates would be a bug)."""
+        """Every data shard completed through this tracker, in id order, then any completed again (a bug)."""
         with self._lock:
-            return list(self._completed)
+            return [*self._completed, *self._completed_again]
 
     def outstanding(self, worker_id: int) -> list[int]:
         """The ids of the data shards a worker holds and has not completed (S2.5: what a failure loses)."""
@@ -397,7 +413,8 @@ class DataShardTracker:
             "doing": [[worker, *self._ref(d)] for worker, d in self._doing.values()],
             "last": [[worker, seq, *self._ref(d)] for worker, (seq, d) in self._last.items()],
             "done": self._done,
-            "completed": list(self._completed),
+            "completed_ranges": self._completed.to_json(),
+            "completed_again": list(self._completed_again),
             "adopted": [[slot, worker] for slot, worker in sorted(self._adopted.items())],
             "streams": [
                 [w, self._stream_start.get(w, self._base), [self._ref(d) for d in ds]]
@@ -423,7 +440,12 @@ class DataShardTracker:
                 self._doing[data_shard.data_shard_id] = (worker, data_shard)
             self._last = {worker: (seq, self._unref(ref)) for worker, seq, *ref in state["last"]}
             self._done = int(state["done"])
-            self._completed = [int(dsid) for dsid in state["completed"]]
+            if "completed_ranges" in state:
+                self._completed = IdRanges.from_json(state["completed_ranges"])
+                self._completed_again = [int(dsid) for dsid in state.get("completed_again", [])]
+            else:  # a snapshot written before the ranges: a list of ids in completion order
+                self._completed, self._completed_again = IdRanges(), []
+                self._record_completed([int(dsid) for dsid in state["completed"]])
             self._adopted = {int(slot): int(worker) for slot, worker in state.get("adopted", [])}
             self._streams = {int(w): [self._unref(r) for r in refs] for w, _, refs in state.get("streams", [])}
             self._stream_start = {int(w): int(start) for w, start in state.get("starts", [])}

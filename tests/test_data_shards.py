@@ -142,3 +142,33 @@ def test_every_sample_once_per_epoch_across_slots():
         for worker in (0, 1):
             consume(tracker, worker, 5, queues)
     assert sorted(seen[0]) == list(range(23))  # epoch 0's 8 data shards went out exactly once
+
+
+def test_the_completed_ledger_of_a_long_job_stays_a_few_runs():
+    """Before, every completed id stayed in a list, in memory and in every snapshot and manifest."""
+    slots = 4
+    tracker = DataShardTracker(1000, 1, True, 3, slots=slots)
+    held = {w: tracker.dispatch(w) for w in range(slots)}
+    for n in range(20_000):  # the slots finish in turns, one data shard always in flight per slot
+        w = (n * 7) % slots
+        tracker.complete(w, held[w].data_shard_id)
+        held[w] = tracker.dispatch(w)
+    state = tracker.snapshot()
+    assert len(state["completed_ranges"]) <= slots and state["completed_again"] == []
+    completed = tracker.completed_ids()
+    assert len(completed) == len(set(completed)) == 20_000 == tracker.counts().done
+    assert not set(completed) & {d.data_shard_id for d in held.values()}
+    again = DataShardTracker(1000, 1, True, 3, slots=slots)
+    again.restore(state)
+    assert again.completed_ids() == completed and again.snapshot() == state
+
+
+def test_a_snapshot_with_a_completed_list_is_still_read_and_a_repeat_shows():
+    tracker = DataShardTracker(8, 2, False, 0)
+    tracker.dispatch(0)
+    state = tracker.snapshot()
+    del state["completed_ranges"], state["completed_again"]
+    state["completed"] = [5, 3, 4, 3]  # the old form, in completion order; 3 twice (a bug it must not hide)
+    tracker.restore(state)
+    assert tracker.completed_ids() == [3, 4, 5, 3]
+    assert tracker.snapshot()["completed_ranges"] == [[3, 6]] and tracker.snapshot()["completed_again"] == [3]
