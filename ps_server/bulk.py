@@ -33,7 +33,7 @@ socket: a peer that has seen a ticket but lacks its worker's credential can neit
 that worker's socket, and a caller without a credential is refused alike whether the ticket exists.
 
 Bounds (``BulkSockets``): ``MAX_HANDSHAKES`` connections waiting ``HANDSHAKE_TIMEOUT_S`` for their
-nonce, ``MAX_SOCKETS_PER_WORKER`` sockets per worker incarnation; the servicer moves payloads on
+nonce, ``MAX_SOCKETS_PER_WORKER`` sockets per worker incarnation; the data plane moves payloads on
 ``BULK_IO_THREADS`` threads of its own, each move bounded by the job's push or pull timeout.
 """
 

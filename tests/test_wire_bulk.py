@@ -670,7 +670,7 @@ def test_a_bulk_pull_names_its_size_and_a_wrong_one_is_refused_before_a_byte(clu
 
 
 def test_a_past_deadline_is_a_timeout_not_an_error() -> None:
-    from pstrain.ps_server.service import _bounded
+    from pstrain.ps_server.data_plane import bounded as _bounded
     from pstrain.runtime.bulk_socket import MIN_TIMEOUT_S, send_all
 
     a, b = socket.socketpair()

@@ -1,0 +1,112 @@
+"""``ShardDataPlane`` without a network: what the servicer calls, driven on an event loop of the test's own."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos.codec import PushPart, TensorAssembler, decode_pull_reply, decode_push_request, encode_push_chunks
+from pstrain.ps_server.data_plane import PullCall, PushCall, ShardDataPlane
+from pstrain.ps_server.errors import InvalidArgument, StepConflict, WaitTimeout
+from pstrain.ps_server.shard import ParameterShard
+
+NUMEL = 10
+SGD = pb.OptimizerSpec(name="sgd")
+LR = pb.LrSchedule(scaled_lr=1.0)
+
+
+def plane(workers: int = 2) -> tuple[ShardDataPlane, torch.Tensor]:
+    initial = torch.linspace(-1, 1, NUMEL)
+    data_plane = ShardDataPlane()
+    data_plane.shared_memory = False
+    data_plane.attach(ParameterShard(0, 0, NUMEL, initial.clone(), SGD, LR, workers=workers), chunk_bytes=12)
+    return data_plane, initial
+
+
+def admit(wait_s: float = 5.0):
+    @contextlib.contextmanager
+    def admitted() -> Iterator[float]:
+        yield wait_s
+
+    return admitted
+
+
+async def chunks(tensor: torch.Tensor) -> AsyncIterator[PushPart]:
+    for raw in encode_push_chunks(tensor, chunk_bytes=12):
+        yield decode_push_request(raw)
+
+
+def header(worker: int, step: int, **fields) -> PushCall:
+    return PushCall(0, worker, step, 1, pb.FLOAT32, NUMEL, **fields)
+
+
+def decoded(replies) -> tuple[int, torch.Tensor]:
+    parts = [decode_pull_reply(replies[i]) for i in range(len(replies))]
+    assembler = TensorAssembler(torch.float32, NUMEL)
+    for part in parts:
+        assembler.add(part.chunk)
+    return parts[0].version, assembler.result()
+
+
+def test_a_pull_waits_for_both_pushes_and_gets_the_update():
+    data_plane, initial = plane()
+    g0, g1 = torch.randn(NUMEL), torch.randn(NUMEL)
+
+    async def run():
+        pull = asyncio.ensure_future(data_plane.pull_encoded(PullCall(0, 1), admit()))
+        first = await data_plane.push(header(0, 0), None, chunks(g0), lambda: None)
+        await asyncio.sleep(0)
+        assert not pull.done() and not first.completed  # one worker of two has pushed
+        second = await data_plane.push(header(1, 0), None, chunks(g1), lambda: None)
+        return first, second, await pull
+
+    first, second, replies = asyncio.run(run())
+    assert second.completed and second.version == 1
+    version, params = decoded(replies)
+    assert version == 1 and torch.allclose(params, initial - (g0 + g1) / 2)
+
+
+def test_a_repeated_push_is_a_duplicate_and_a_stale_one_a_conflict():
+    data_plane, _ = plane(workers=1)
+    grad = torch.ones(NUMEL)
+
+    async def run():
+        done = await data_plane.push(header(0, 0), None, chunks(grad), lambda: None)
+        again = await data_plane.push(header(0, 0), None, chunks(grad), lambda: None)
+        with pytest.raises(StepConflict):
+            await data_plane.push(header(0, 5), None, chunks(grad), lambda: None)
+        return done, again
+
+    done, again = asyncio.run(run())
+    assert done.completed and again.duplicate and again.version == 1 and not again.completed
+
+
+def test_bad_calls_are_refused_before_anything_moves():
+    data_plane, initial = plane(workers=1)
+
+    async def run():
+        with pytest.raises(InvalidArgument, match="not where a piece"):
+            await data_plane.pull_encoded(PullCall(0, 0, piece=3), admit())
+        with pytest.raises(InvalidArgument, match="shm_nonce"):
+            await data_plane.push_shared(header(0, 0, piece=0))
+        with pytest.raises(InvalidArgument, match="names the caller's pull region"):
+            await data_plane.pull_shared(PullCall(0, 0), admit())
+        with pytest.raises(InvalidArgument, match="skips its step carries no payload"):
+            await data_plane.push(header(0, 0, skip=True), None, chunks(torch.ones(NUMEL)), lambda: None)
+        return await data_plane.pull_encoded(PullCall(0, 0), admit())
+
+    version, params = decoded(asyncio.run(run()))
+    assert version == 0 and torch.equal(params, initial) and data_plane.shard.version == 0
+
+
+def test_a_pull_waits_no_longer_than_its_admission_allows():
+    data_plane, _ = plane()
+
+    async def run():
+        with pytest.raises(WaitTimeout, match="version 1 did not appear within 0.1s"):
+            await data_plane.pull_encoded(PullCall(0, 1), admit(0.1))
+
+    asyncio.run(run())
