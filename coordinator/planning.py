@@ -100,7 +100,9 @@ def planning_gpu(cfg: JobConfig) -> torch.device | None:
 
     The coordinator usually runs on a host like the workers'. A job that lists only CPU devices
     (``devices_per_worker: [cpu, cpu]``) trains on CPU stand-ins even where this host has a GPU, so
-    that GPU says nothing about the job: no memory budget from it, no bandwidth measured to it.
+    that GPU says nothing about the job: no memory budget from it, no bandwidth measured to it. Any
+    other job trains on GPUs: the first listed GPU this host has, else ``cuda:0`` as one like the
+    workers' (a job may list ``cuda:3`` for hosts with more GPUs than this one).
     """
     if not torch.cuda.is_available() or _only_cpus(cfg):
         return None
@@ -110,6 +112,7 @@ def planning_gpu(cfg: JobConfig) -> torch.device | None:
 
 
 def _only_cpus(cfg: JobConfig) -> bool:
+    """The job names its devices and every one is a CPU stand-in."""
     listed = cfg.cluster.device_list
     return bool(listed) and all(torch.device(name).type == "cpu" for name in listed)
 
@@ -214,7 +217,7 @@ def plan_job(
         )
     plan = make_plan(cfg, batch)
     warnings = _lr_warnings(cfg, plan)
-    gpu_job = cfg.memory.device_memory or device_memory or planning_gpu(cfg) is not None
+    gpu_job = bool(cfg.memory.device_memory or device_memory) or planning_gpu(cfg) is not None
     if profile.device == "cpu" and gpu_job and not _only_cpus(cfg):
         then = (
             "the master worker's own profile replaces it when its probe reports (memory.probe: true)"

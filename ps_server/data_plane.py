@@ -80,6 +80,12 @@ class PullCall:
 
 
 class ShardDataPlane:
+    """One shard's pushes and pulls on the server's event loop; the caller has checked who calls.
+
+    Holds what the transports share: the staging buffers and how many pushes receive at once, the
+    version followers and marks the pulls wait on, the shared-memory regions and the bulk sockets.
+    """
+
     def __init__(self) -> None:
         self._shard: PiecedShard | None = None
         self._pool = StagingPool()
@@ -293,9 +299,8 @@ class ShardDataPlane:
 
     async def pull_encoded(self, request: PullCall, admit: Admit) -> EncodedReplies:
         """The piece (or the whole shard) at ``min_version`` or newer, encoded once for every pull of it."""
-        versions = self._versions_of(request.piece)
-        with admit() as wait_s:
-            return await versions.get(request.min_version, wait_s)
+        with admit() as wait_s:  # first: a caller refused learns nothing of the pieces and starts no follower
+            return await self._versions_of(request.piece).get(request.min_version, wait_s)
 
     async def pull_at(self, version: int, admit: Admit) -> EncodedReplies:
         """S2.5: the whole shard at exactly ``version`` (a replacement's one pull)."""

@@ -3,10 +3,11 @@
 Served by an asyncio server (``start_server(..., aio=True)``) and registered with
 ``add_parameter_server``, which installs the data plane's byte-level serializers
 (``protos.codec``) for Push and Pull. Every handler is ``async`` on the server's event loop and
-thin: the caller's identity and admission (``ShardGate``) are checked here, first, so a caller
-that is not who it says learns nothing and costs no thread hop, no lock and no payload byte; the
-pushes and pulls themselves, over gRPC chunks, bulk sockets or shared memory, are
-``ShardDataPlane``'s (``ps_server.data_plane``), which tests drive without a network.
+thin: the caller's identity is checked here, first, so a caller that is not who it says learns
+nothing and costs no thread hop, no lock and no payload byte; a pull's admission (``ShardGate.pull``,
+bounded per shard and per peer) is handed to the data plane, which enters it before it waits or
+looks up a piece. The pushes and pulls themselves, over gRPC chunks, bulk sockets or shared memory,
+are ``ShardDataPlane``'s (``ps_server.data_plane``), which tests drive without a network.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ translate = abort_on_errors(
 
 
 class ParameterServerServicer:
+    """The ParameterServer service: messages in and out, identity and admission, errors as status codes."""
+
     def __init__(self) -> None:
         self.plane = ShardDataPlane()
         self.gate = ShardGate()  # issue 8: who may push and pull, how many pulls wait (pstrain-ps installs keys)

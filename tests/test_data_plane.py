@@ -12,6 +12,7 @@ from pstrain.protos.codec import PushPart, TensorAssembler, decode_pull_reply, d
 from pstrain.ps_server.data_plane import PullCall, PushCall, ShardDataPlane
 from pstrain.ps_server.errors import InvalidArgument, StepConflict, WaitTimeout
 from pstrain.ps_server.shard import ParameterShard
+from pstrain.runtime.identity import PermissionDenied
 
 NUMEL = 10
 SGD = pb.OptimizerSpec(name="sgd")
@@ -69,7 +70,7 @@ def test_a_pull_waits_for_both_pushes_and_gets_the_update():
     assert version == 1 and torch.allclose(params, initial - (g0 + g1) / 2)
 
 
-def test_a_repeated_push_is_a_duplicate_and_a_stale_one_a_conflict():
+def test_a_repeated_push_is_a_duplicate_and_one_ahead_a_conflict():
     data_plane, _ = plane(workers=1)
     grad = torch.ones(NUMEL)
 
@@ -100,6 +101,23 @@ def test_bad_calls_are_refused_before_anything_moves():
 
     version, params = decoded(asyncio.run(run()))
     assert version == 0 and torch.equal(params, initial) and data_plane.shard.version == 0
+
+
+def test_a_refused_pull_learns_nothing_of_the_pieces_and_starts_no_follower():
+    data_plane, _ = plane()
+
+    @contextlib.contextmanager
+    def refused() -> Iterator[float]:
+        raise PermissionDenied("no credential")
+        yield 0.0
+
+    async def run():
+        for piece in (None, 0, 7):  # the whole shard, a piece, a piece this shard does not have
+            with pytest.raises(PermissionDenied):
+                await data_plane.pull_encoded(PullCall(0, 0, piece=piece), refused)
+
+    asyncio.run(run())
+    assert data_plane.pulls_waiting == 0 and not data_plane._versions  # no thread reads or encodes the shard
 
 
 def test_a_pull_waits_no_longer_than_its_admission_allows():

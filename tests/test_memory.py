@@ -207,6 +207,30 @@ def test_a_kept_layer_that_saves_a_view_of_a_swapped_tensor_lets_the_device_copy
     assert offload.stats.swapped_out_bytes == offload.stats.swapped_in_bytes == 4 * 6 * 16 * 4
 
 
+def test_a_conjugate_view_of_a_swapped_tensor_keeps_its_own_values():
+    """A conjugate view shares the storage but not the values: sharing the plain copy gave a wrong gradient."""
+
+    class Conj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.w = nn.Parameter(torch.randn(6, dtype=torch.cfloat))
+
+        def forward(self, z):
+            return (z.conj() * self.w).abs().sum() + (z.view(-1).conj()[:6] * self.w).abs().sum()
+
+    model = nn.Sequential(nn.Tanh(), Conj())
+    offload = SwapToHost().ignore_parameters(model)
+    apply_layer_policies(model, {"0": "swap"}, offload)
+    offload.reset()
+    z = torch.randn(4, 6, dtype=torch.cfloat, requires_grad=True)  # so that the Tanh saves its output
+    model(z).backward()
+    assert offload.stats.swapped_out_bytes == 4 * 6 * 8
+    plain = nn.Sequential(nn.Tanh(), Conj())
+    plain(z).backward()
+    assert torch.allclose(model[1].w.grad, plain[1].w.grad)
+
+
 def test_a_sparse_saved_tensor_stays_where_it_is():
     class Propagate(nn.Module):
         def __init__(self):

@@ -102,6 +102,79 @@ def test_a_swap_layer_with_offloaded_parameters_swaps_its_activations_and_not_it
     assert torch.equal(replica.staging, reference.staging)
 
 
+def test_a_swap_block_with_offloaded_parameters_swaps_what_its_layers_save():
+    """A block marked swap: its Linears' own hooks are innermost, and their inputs still go to the host."""
+
+    def blocks():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(16, 32), nn.Sequential(nn.Tanh(), nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 5)
+        )
+
+    layout = ParamLayout.of(blocks())
+    replica = Replica.build(blocks(), torch.device("cpu"), layout, False, MemoryPolicy({"1": "swap"}, 1, 4 << 30, True))
+    x, y = batches(1)[0]
+    replica.forward_backward(x, y, CE)
+    assert replica.offload is not None  # the block's Tanh, Linear (the same tensor) and Tanh save two tensors
+    assert replica.offload.stats.swapped_out_bytes == replica.offload.stats.swapped_in_bytes == 2 * len(x) * 32 * 4
+    reference = Replica.build(blocks(), torch.device("cpu"), layout, False, MemoryPolicy({}, 1, 4 << 30, True))
+    reference.forward_backward(x, y, CE)
+    assert torch.equal(replica.staging, reference.staging)
+
+
+def test_a_copy_that_fails_before_forward_leaves_no_stale_parameters_on_the_device():
+    layout = ParamLayout.of(model())
+    replica = Replica.build(model(), torch.device("cpu"), layout, False, MemoryPolicy({}, 1, 4 << 30, True))
+    params = replica.param_offload
+    assert params is not None
+    calls = []
+
+    def fail_second(positions):
+        calls.append(positions)
+        if len(calls) == 2:  # layer 0's own copy went; the prefetch of the next one fails
+            raise RuntimeError("copy failed")
+
+    params.before_fetch = fail_second
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        replica.forward(x, y, CE)
+    params.before_fetch = None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    host = replica.flat_params.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == host for p in replica.model.parameters())
+    with torch.no_grad():
+        replica.flat_params.add_(0.5)  # the next pull: a copy left on the device would be stale
+    replica.forward_backward(x, y, CE)
+    reference = Replica.build(model(), torch.device("cpu"), layout, False, MemoryPolicy({}, 1, 4 << 30, True))
+    with torch.no_grad():
+        reference.flat_params.add_(0.5)
+    reference.forward_backward(x, y, CE)
+    assert torch.equal(replica.staging, reference.staging)
+
+
+def test_a_sparse_saved_tensor_passes_whole_layer_offload():
+    class Propagate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.adjacency = torch.eye(8).to_sparse()
+            self.weight = nn.Parameter(torch.randn(16, 5))  # its own: the layer's hooks see the sparse tensor
+
+        def forward(self, x):
+            return torch.sparse.mm(self.adjacency, x @ self.weight)
+
+    layout = ParamLayout.of(Propagate())
+    for policies in ({}, {"": "swap"}):
+        replica = Replica.build(
+            Propagate(), torch.device("cpu"), layout, False, MemoryPolicy(policies, 1, 4 << 30, True)
+        )
+        x, y = batches(1)[0]
+        replica.forward_backward(x, y, CE)
+        reference = Replica.build(Propagate(), torch.device("cpu"), layout, False, MemoryPolicy({}))
+        reference.forward_backward(x, y, CE)
+        assert torch.equal(replica.staging, reference.staging), policies
+
+
 def test_only_the_running_layer_points_away_from_the_host_buffer():
     m = model()
     layout = ParamLayout.of(m)

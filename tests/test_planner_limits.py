@@ -6,10 +6,11 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.model_state import ModelState
-from pstrain.coordinator.planning import describe, plan_job
+from pstrain.coordinator.planning import describe, plan_job, planning_gpu
 from pstrain.planner.memory_plan import MemoryBudget, batch_limits, largest_model, max_batch, plan_for_batch
 from pstrain.planner.profiler import LayerProfile, ModelProfile
 from tests.helpers import REPO_ROOT, child_env, classification_set, write_job
@@ -114,6 +115,24 @@ def test_linear_scaling_past_the_threshold_warns_and_proposes_layerwise_optimize
         assert "WARNING: global batch 16384" in describe(plan)
     small = job_plan(samples=10**5, batch={"per_device": 2048, "lr_scaling": "linear"})
     assert small.warnings == ()
+
+
+@pytest.mark.parametrize(
+    "devices, gpus_here, expected",
+    [
+        (["cpu", "cpu"], 1, None),  # CPU stand-ins: this host's GPU says nothing about them
+        (2, 1, "cuda:0"),  # as many devices as the host has: GPUs
+        (["cuda:3"], 1, "cuda:0"),  # a GPU this host lacks: the workers' hosts have it; one like it stands in
+        (["cpu", "cuda:1"], 2, "cuda:1"),
+        (["cuda:0"], 0, None),  # no GPU here to plan with
+    ],
+)
+def test_the_planning_gpu_is_one_the_job_lists_or_one_like_it(monkeypatch, devices, gpus_here, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus_here > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_here)
+    cfg = parse_config({**RAW, "cluster": {"workers": 1, "devices_per_worker": devices}})
+    gpu = planning_gpu(cfg)
+    assert (None if gpu is None else str(gpu)) == expected
 
 
 def test_plan_shows_both_limits_each_policy_and_cpu_measured_times():

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PINNED_LIMIT_BYTES = 4 << 30
 
-# storage address, offset, shape, stride, dtype, version: one live tensor saved more than once
-_Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, int]
+# device, storage address, offset, shape, stride, dtype, version: one live tensor saved more than once
+_Key = tuple[torch.device, int, int, tuple[int, ...], tuple[int, ...], torch.dtype, int]
 
 
 @dataclass
@@ -76,7 +76,8 @@ class SwapToHost:
         # it is freed, the allocator may give its address to a new tensor of the same shape.
         self._by_key: dict[_Key, tuple[int, Any]] = {}
         # Swapped tensors that cover their whole storage, by address: a view of one is rebuilt from its copy.
-        self._whole: dict[tuple[int, torch.dtype], tuple[int, Any, int]] = {}
+        # The value holds the tensor's root (the tensor a view of it has as ``_base``) and its version.
+        self._whole: dict[tuple[torch.device, int, torch.dtype], tuple[int, weakref.ref[torch.Tensor], int]] = {}
         self._swapping = 0  # how many swap layers' forwards are running (``take`` packs inside one)
         self._pinned_bytes = 0
         self._warned = False
@@ -122,7 +123,7 @@ class SwapToHost:
     def _key(tensor: torch.Tensor) -> _Key:
         storage_ptr = tensor.untyped_storage().data_ptr()
         shape, stride = tuple(tensor.shape), tuple(tensor.stride())
-        return storage_ptr, int(tensor.storage_offset()), shape, stride, tensor.dtype, tensor._version
+        return tensor.device, storage_ptr, int(tensor.storage_offset()), shape, stride, tensor.dtype, tensor._version
 
     def _shared(self, tensor: torch.Tensor) -> int | _View | None:
         """The live tensor already on its way to the host that ``tensor`` is, or views, counted once more.
@@ -130,13 +131,15 @@ class SwapToHost:
         A hit counts only while the swapped tensor is alive: once it is freed, the allocator may give
         its address to a new tensor.
         """
+        if not _shareable(tensor):
+            return None
         hit = self._by_key.get(self._key(tensor))
         if hit is not None and hit[1]() is not None:
             self._saved[hit[0]].uses += 1
             return hit[0]
-        whole = self._whole.get((tensor.untyped_storage().data_ptr(), tensor.dtype))
-        if whole is None or whole[1]() is None or whole[2] != tensor._version:
-            return None
+        whole = self._whole.get((tensor.device, tensor.untyped_storage().data_ptr(), tensor.dtype))
+        if whole is None or whole[1]() is not _root(tensor) or whole[2] != tensor._version:
+            return None  # not a view of it (an alias made with ``set_``), or it changed in place since
         self._saved[whole[0]].uses += 1
         return _View(whole[0], int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
 
@@ -153,8 +156,6 @@ class SwapToHost:
         profile counts a tensor for the layer that saves it first, so only the savers after a swap
         layer must follow it.
         """
-        if tensor.layout != torch.strided:
-            return tensor
         shared = self._shared(tensor)
         return tensor if shared is None else shared
 
@@ -186,10 +187,11 @@ class SwapToHost:
         self.stats.swapped_out_bytes += nbytes
         self._saved.append(entry)
         index = len(self._saved) - 1
-        alive = weakref.ref(tensor)
-        self._by_key[self._key(tensor)] = (index, alive)
-        if tensor.is_contiguous() and tensor.storage_offset() == 0 and nbytes == storage.nbytes():
-            self._whole[(storage.data_ptr(), tensor.dtype)] = (index, alive, tensor._version)
+        if _shareable(tensor):  # a conjugate copy must not stand in for the tensor it views, nor the reverse
+            self._by_key[self._key(tensor)] = (index, weakref.ref(tensor))
+            if tensor.is_contiguous() and tensor.storage_offset() == 0 and nbytes == storage.nbytes():
+                where = (tensor.device, storage.data_ptr(), tensor.dtype)
+                self._whole[where] = (index, weakref.ref(_root(tensor)), tensor._version)
         self._release_finished_copies()
         return index
 
@@ -279,6 +281,20 @@ class SwapToHost:
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
 
 
+def _shareable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values are its storage's as laid out, so another tensor on it can share its copy.
+
+    A conjugate or negative view is not (the bit is applied lazily: its copy holds other values than
+    the storage), nor is an empty tensor (address 0, whatever it was cut from).
+    """
+    return tensor.layout == torch.strided and tensor.numel() > 0 and not tensor.is_conj() and not tensor.is_neg()
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a view of ``tensor`` names as ``_base`` (views of views share the root)."""
+    return tensor if tensor._base is None else tensor._base
+
+
 def apply_layer_policies(model: nn.Module, policies: dict[str, str], offload: SwapToHost) -> list[Any]:
     """Make the named layers swap (``"swap"``) or recompute (``"recompute"``) in place.
 
@@ -319,9 +335,15 @@ def _enter_around(module: nn.Module, hooks: Callable[[], Any]) -> list[Any]:
         contexts.append(ctx)
 
     def leave(mod: nn.Module, args: object, output: object) -> None:  # also when forward raised (always_call)
-        contexts.pop().__exit__(None, None, None)
+        if contexts:  # empty only if a global pre-hook raised before ``enter`` ran
+            contexts.pop().__exit__(None, None, None)
 
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+    # ``enter`` first of the module's pre-hooks: whichever of the others raises, ``leave`` has its context to exit,
+    # and a swap layer's hooks are outside whole-layer offload's, whichever was installed first.
+    return [
+        module.register_forward_pre_hook(enter, prepend=True),
+        module.register_forward_hook(leave, always_call=True),
+    ]
 
 
 def _recompute(module: nn.Module) -> None:

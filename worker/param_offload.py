@@ -62,7 +62,7 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _Activation:
-    """What a layer's pack hook returns for an activation: ``SwapToHost.follow``'s result."""
+    """What a layer's pack hook returns for an activation ``SwapToHost.take`` sent to the host or shares."""
 
     packed: Any
 
@@ -230,19 +230,23 @@ class ParamOffload:
 
     def _before_forward(self, layer: _Layer) -> Callable[..., None]:
         def hook(module: nn.Module, args: object) -> None:
-            self._use(layer)
-            for ahead in self._layers[layer.index + 1 : layer.index + 1 + self.prefetch]:
-                self._fetch(ahead, prefetch=True)
+            # The context first: if a copy below raises, the forward hook (always called) still has it to exit
+            # and points the parameters back at the host (a copy left on the device would be stale next step).
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack(layer), self._unpack(layer))
             ctx.__enter__()
             self._contexts.setdefault(layer.index, []).append(ctx)
+            self._use(layer)
+            for ahead in self._layers[layer.index + 1 : layer.index + 1 + self.prefetch]:
+                self._fetch(ahead, prefetch=True)
 
         return hook
 
     def _after_forward(self, layer: _Layer) -> Callable[..., Any]:
         def hook(module: nn.Module, args: object, output: Any) -> Any:
-            self._exit_context(layer)
-            self._release(layer)
+            try:
+                self._exit_context(layer)
+            finally:
+                self._release(layer)
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
@@ -265,6 +269,8 @@ class ParamOffload:
 
     def _pack(self, layer: _Layer) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
+            if tensor.layout != torch.strided:  # a sparse tensor has no storage to look up: kept as it is
+                return tensor
             i = layer.saved.get(tensor.untyped_storage().data_ptr())
             if i is None:  # an activation
                 taken = tensor if self.activations is None else self.activations.take(tensor)
