@@ -33,6 +33,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -246,6 +247,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         super().__init__([param], defaults)
         self.kind = kind
         self.layers = layers
+        # Entered around the wait for the peers' partial norms. The shard that steps this optimizer sets it to
+        # release its lock meanwhile (``ParameterShard._outside_lock``): the peers finish their part only
+        # once their own step is complete, which may take a replacement worker's pushes (S2.5).
+        self.while_waiting: Callable[[], AbstractContextManager[None]] = nullcontext
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -274,7 +279,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     def _norms(self, step: int, pairs: list[tuple[Segment, torch.Tensor, torch.Tensor]]) -> dict[int, Sequence[float]]:
         partials: dict[int, Sequence[float]] = {s.index: (_sq_norm(a), _sq_norm(b)) for s, a, b in pairs}
-        self.layers.norms.combine(step, partials, self.layers.segments)
+        if any(s.shared for s in self.layers.segments):
+            with self.while_waiting():
+                self.layers.norms.combine(step, partials, self.layers.segments)
         return partials
 
     def _lars(self, w: torch.Tensor, g: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int) -> None:

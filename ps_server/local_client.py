@@ -5,8 +5,11 @@ both) so the trainer is unit-tested without sockets. The shard's ``PsError``s be
 same ``ps_api`` errors the gRPC client derives from status codes; any other error is raised
 unchanged.
 
-Pushes run on the caller's thread (a shard's push never waits for peers); a shard's error
-still comes from ``PushHandle.wait``, as it does over gRPC. A pull waits on each shard in
+Pushes run on the caller's thread, one shard after another; a shard's error still comes from
+``PushHandle.wait``, as it does over gRPC. (With LARS/LAMB and a parameter split across shards,
+the push that completes one holder's step waits there for the other holder's norms, which may
+need this caller's next push: such a job needs its pushes made at once, as the gRPC client's
+calls are; ``tests/test_rejoin_pull.py`` has such a client.) A pull waits on each shard in
 slices of ``CANCEL_POLL_S`` so that ``close(cancel=True)`` from another thread ends it
 promptly without closing the shards, which other clients (other workers) share.
 """

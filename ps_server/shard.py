@@ -50,7 +50,7 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.checkpoint import ShardState
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
-from pstrain.ps_server.layerwise import Layers
+from pstrain.ps_server.layerwise import Layers, LayerwiseOptimizer
 from pstrain.ps_server.optimizer import build_optimizer, step_on_mean
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.schedule import learning_rate
@@ -147,6 +147,8 @@ class ParameterShard:
         self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version), layers)
         if optimizer_state is not None:
             self._optimizer.load_state_dict(optimizer_state)
+        if isinstance(self._optimizer, LayerwiseOptimizer):
+            self._optimizer.while_waiting = self._outside_lock
         self._optimizer_name = optimizer.name
         self._checkpoints = checkpoints
         self._version = version
@@ -161,7 +163,10 @@ class ParameterShard:
         self._skip_step = False
         self._skipped_steps = 0
         self._last_step: dict[int, int] = {}  # worker -> last step it contributed to
-        self._cond = threading.Condition()
+        # Never taken twice by one thread (a plain lock): an update that waits for its peers' norms lets go of it
+        # entirely (``_outside_lock``) and says so in ``_updating``.
+        self._cond = threading.Condition(threading.Lock())
+        self._updating = False
         self._closed = False
 
     @classmethod
@@ -256,7 +261,12 @@ class ParameterShard:
         with self._cond:
             self._check_open()
             # Re-check under the lock: the shard may have moved on while the payload streamed.
-            if duplicate or self._classify_step(worker_id, step):
+            duplicate = duplicate or self._classify_step(worker_id, step)
+            while not duplicate and self._updating:  # a contribution to the step being updated: none can come (every
+                self._cond.wait()  # contributor is in), but if one did, it would wait and then be told it is stale
+                self._check_open()
+                duplicate = self._classify_step(worker_id, step)
+            if duplicate:
                 return PushResult(self._version, duplicate=True, completed=False)
             self._pending[worker_id] = device_count
             self._last_step[worker_id] = step
@@ -317,7 +327,7 @@ class ParameterShard:
         wanted = self.check_workers(from_version, ids, scaled_lr)
         started = time.perf_counter()
         with self._cond:
-            self._check_open()
+            self._settled()
             removed = set(self._contributors) - set(wanted)
             included = any(self._last_step.get(w) == from_version for w in removed)
             if from_version > self._version:
@@ -356,7 +366,7 @@ class ParameterShard:
         if not scaled_lr > 0:
             raise InvalidArgument(f"the learning rate must be positive, got {scaled_lr}")
         with self._cond:
-            self._check_open()
+            self._settled()
             if from_version <= self._version:
                 self._check_addition(from_version, wanted)
         return wanted
@@ -589,6 +599,7 @@ class ParameterShard:
     def checkpoint_state(self) -> ShardState:
         """A consistent snapshot of the shard at its current version (parameters + optimizer state)."""
         with self._cond:
+            self._settled()  # not halfway through an update (LAMB's moments move before the norms are in)
             return self._checkpoint_state()
 
     def _checkpoint_state(self) -> ShardState:
@@ -613,6 +624,32 @@ class ParameterShard:
     def _check_open(self) -> None:
         if self._closed:
             raise NotReady(f"shard {self.shard_id} is shutting down")
+
+    def _settled(self) -> None:
+        """Wait (the lock held) until no update is halfway, for what changes the step or reads mid-update state."""
+        self._cond.wait_for(lambda: self._closed or not self._updating)
+        self._check_open()
+
+    @contextmanager
+    def _outside_lock(self) -> Iterator[None]:
+        """A layer-wise update (the lock held) waits for its peers' partial norms without the lock.
+
+        The peers send theirs once their own step is complete. When the worker that failed had pushed the
+        step here but not to them, that takes its replacement's pushes, and before those the replacement
+        asks this shard for its status and the held version and pushes here too (a duplicate): with the
+        lock held for the whole exchange it waited for it until the exchange timed out, and the job rolled
+        back (issue 11, S2.5). Meanwhile reads of published buffers, status and duplicate pushes go on; what
+        changes the step or reads the update's half-done state waits (``_settled``). The parameters are not
+        written before the norms are in, so every reader still sees the published version.
+        """
+        self._updating = True
+        self._cond.release()
+        try:
+            yield
+        finally:
+            self._cond.acquire()
+            self._updating = False
+            self._cond.notify_all()
 
     def snapshot(self) -> ShardSnapshot:
         with self._cond:

@@ -12,6 +12,8 @@ from pstrain.protos.codec import PushPart, TensorAssembler, decode_pull_reply, d
 from pstrain.ps_server.data_plane import PullCall, PushCall, ShardDataPlane
 from pstrain.ps_server.errors import InvalidArgument, StepConflict, WaitTimeout
 from pstrain.ps_server.shard import ParameterShard
+from pstrain.ps_server.shm import StaleRegion
+from pstrain.runtime import shm_region
 from pstrain.runtime.identity import PermissionDenied
 
 NUMEL = 10
@@ -128,3 +130,32 @@ def test_a_pull_waits_no_longer_than_its_admission_allows():
             await data_plane.pull_encoded(PullCall(0, 1), admit(0.1))
 
     asyncio.run(run())
+
+
+def test_a_colocated_piece_is_pushed_and_pulled_through_the_regions():
+    """Shared memory, as a worker on this host uses it: the header is all the call carries."""
+    initial = torch.linspace(-1, 1, NUMEL)
+    data_plane = ShardDataPlane()
+    data_plane.attach(ParameterShard(0, 0, NUMEL, initial.clone(), SGD, LR, workers=1), chunk_bytes=12)
+    pair = data_plane.regions.open(0, "ipv4:127.0.0.1:40000")
+    push = shm_region.attach(pair.push.path, NUMEL, pair.nonce)
+    pull = shm_region.attach(pair.pull.path, NUMEL, pair.nonce)
+    grad = torch.randn(NUMEL)
+    push.data[:] = grad
+
+    async def run():
+        pushed = await data_plane.push_shared(header(0, 0, piece=0, shm_nonce=pair.nonce))
+        again = await data_plane.push_shared(header(0, 0, piece=0, shm_nonce=pair.nonce))
+        pulled = await data_plane.pull_shared(PullCall(0, 1, piece=0, shm_worker=0, shm_nonce=pair.nonce), admit())
+        with pytest.raises(StaleRegion):
+            await data_plane.pull_shared(PullCall(0, 1, piece=0, shm_worker=0, shm_nonce=b"x" * 16), admit())
+        return pushed, again, pulled
+
+    try:
+        pushed, again, (version, slot) = asyncio.run(run())
+        assert pushed.completed and again.duplicate and (version, slot) == (1, None)
+        assert torch.allclose(pull.data, initial - grad)
+    finally:
+        push.close()
+        pull.close()
+        data_plane.close()

@@ -10,6 +10,7 @@ waits for its peers' partial norms), with parameters that straddle two and three
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,6 +23,7 @@ from pstrain.ps_server.layerwise import InProcessExchange, Layers, NormBoard, So
 from pstrain.ps_server.optimizer import build_optimizer
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.layout import ParamLayout
+from tests.helpers import wait_for
 
 SHAPES = [(3, 4), (70,), (5, 3), (3,), (10,)]  # 110 elements; 3 shards [0,37) [37,74) [74,110): (70,) spans all 3
 SPECS = {
@@ -66,7 +68,12 @@ def grads(step: int, total: int) -> torch.Tensor:
 
 
 def make_shards(
-    name: str, initial: torch.Tensor, sizes: list[int], num_shards: int, one_d: list[bool] | None = None
+    name: str,
+    initial: torch.Tensor,
+    sizes: list[int],
+    num_shards: int,
+    one_d: list[bool] | None = None,
+    workers: int = 1,
 ) -> list[ParameterShard]:
     exchange = InProcessExchange(num_shards, timeout_s=30)
     layout_ranges = ParamLayout.from_shapes([str(i) for i in range(len(sizes))], [[s] for s in sizes])
@@ -76,7 +83,7 @@ def make_shards(
         schedule = pb.LrSchedule(base_lr=LR[name], scaled_lr=LR[name])
         shards.append(
             ParameterShard(
-                r.shard_id, r.start, r.end, initial[r.start : r.end], SPECS[name], schedule, 1, layers=layers
+                r.shard_id, r.start, r.end, initial[r.start : r.end], SPECS[name], schedule, workers, layers=layers
             )
         )
     return shards
@@ -170,6 +177,73 @@ def test_a_layerwise_optimizer_without_segments_or_exchange_is_refused():
     param.grad = torch.ones(10)
     with pytest.raises(InvalidArgument, match="split across shards"):
         opt.step()
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_a_shard_waiting_for_its_peers_norms_lets_a_replacement_read_it_and_push(name):
+    """S2.5 with a split parameter: the worker that failed pushed step 0 to shard 0 only, so shard 0's update waits
+    for shard 1's norms, which come only after the replacement's push there. Before, shard 0 held its lock for the
+    whole wait: the replacement's status call, its read of the held version and its (duplicate) push waited for it
+    until the exchange timed out, and the job rolled back. Now they are answered and the step completes in place."""
+    sizes = [math.prod(s) for s in SHAPES]
+    total = sum(sizes)
+    initial = torch.randn(total, generator=torch.Generator().manual_seed(0))
+    shards = make_shards(name, initial, sizes, 2, workers=2)
+    gen = torch.Generator().manual_seed(1)
+    g0, g1 = torch.randn(total, generator=gen), torch.randn(total, generator=gen)
+    for shard in shards:
+        assert not shard.push(0, 0, g0[shard.start : shard.end].clone(), DEVICES).completed  # the live worker
+    first, second = shards
+    updates = []
+    updating = threading.Thread(target=lambda: updates.append(first.push(1, 0, g1[: first.end].clone(), DEVICES)))
+    updating.start()  # the failed worker's last push: shard 0 updates and waits for shard 1's norms
+    wait_for(lambda: first._updating, 10, "shard 0's update to wait for its peer's norms")
+    seen = {}
+
+    def replacement() -> None:
+        seen["status"] = first.last_step_of(1)
+        with first.read_at(0, 5) as held:
+            seen["held"] = held.clone()
+        seen["here"] = first.push(1, 0, g1[: first.end].clone(), DEVICES)
+        seen["there"] = second.push(1, 0, g1[second.start :].clone(), DEVICES)
+
+    replacing = threading.Thread(target=replacement)
+    replacing.start()
+    replacing.join(20)
+    updating.join(20)
+    assert not replacing.is_alive() and not updating.is_alive(), "a call waited for the lock the update held"
+    assert seen["status"] == 0 and torch.equal(seen["held"], initial[: first.end])
+    assert seen["here"].duplicate and seen["there"].completed and updates[0].completed
+    ws = [t.clone() for t in initial.split(sizes)]
+    gs = [t / (2 * DEVICES) for t in (g0 + g1).split(sizes)]
+    if name == "lars":
+        reference_lars(ws, gs, [torch.zeros(n) for n in sizes], LR[name], 1)
+    else:
+        reference_lamb(ws, gs, [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes], LR[name], 1)
+    ours = torch.cat([shard.parameters()[1] for shard in shards])
+    torch.testing.assert_close(ours, torch.cat(ws), rtol=1e-5, atol=1e-6)
+    assert [shard.version for shard in shards] == [1, 1]
+
+
+def test_a_checkpoint_waits_for_an_update_that_waits_for_norms():
+    """LAMB's moments move before the norms are in: a snapshot taken meanwhile would pair them with old weights."""
+    sizes = [math.prod(s) for s in SHAPES]
+    initial = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
+    first, second = make_shards("lamb", initial, sizes, 2)
+    g = grads(0, sum(sizes))
+    updating = threading.Thread(target=lambda: first.push(0, 0, g[: first.end].clone(), DEVICES))
+    updating.start()
+    wait_for(lambda: first._updating, 10, "shard 0's update to wait for its peer's norms")
+    states = []
+    snapshot = threading.Thread(target=lambda: states.append(first.checkpoint_state()))
+    snapshot.start()
+    snapshot.join(0.2)  # bounded: it must still be waiting; the push below lets it through
+    assert snapshot.is_alive() and not states
+    second.push(0, 0, g[second.start :].clone(), DEVICES)
+    for thread in (updating, snapshot):
+        thread.join(20)
+        assert not thread.is_alive()
+    assert states[0].version == 1 and torch.equal(states[0].params, first.parameters()[1])
 
 
 def test_a_missing_peer_times_out_naming_it():

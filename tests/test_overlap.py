@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
+from pstrain.ps_server.layerwise import Layers
 from pstrain.ps_server.local_client import LocalPsClient
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
@@ -36,16 +37,23 @@ from tests.test_trainer import (
 SMALL_BUCKETS = 64  # bytes: every parameter of the test model is a bucket of its own
 
 
-def build_shards(workers: int) -> list[PiecedShard]:
-    """The test_trainer shards, cut into the pieces of ``SMALL_BUCKETS`` as a PS process cuts them."""
+def build_shards(
+    workers: int,
+    optimizer: pb.OptimizerSpec = SGD,
+    lr: float = LR,
+    layers: Callable[[int], Layers] | None = None,
+) -> list[PiecedShard]:
+    """The test_trainer shards, cut into the pieces of ``SMALL_BUCKETS`` as a PS process cuts them; ``layers``
+    gives a shard's parameter segments and norm exchange (LARS/LAMB)."""
     initial = LAYOUT.flatten(seeded_model())
     return [
         PiecedShard.build(
             shard_pieces(LAYOUT, r, SMALL_BUCKETS),
             initial[r.start : r.end].clone(),
-            SGD,
-            pb.LrSchedule(scaled_lr=LR),
+            optimizer,
+            pb.LrSchedule(scaled_lr=lr),
             workers,
+            layers=None if layers is None else layers(r.shard_id),
         )
         for r in shard_ranges(LAYOUT.total, PS_SHARDS)
     ]

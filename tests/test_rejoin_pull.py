@@ -8,7 +8,9 @@ replacement reads every piece at the held version (``read_at`` / ``PullAt`` / ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -16,12 +18,13 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.errors import StepConflict, WaitTimeout
+from pstrain.ps_server.layerwise import InProcessExchange, Layers, segments_for
 from pstrain.ps_server.local_client import LocalPsClient
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime import ps_api
-from pstrain.runtime.ps_api import PushHandle
+from pstrain.runtime.ps_api import PushHandle, ShardAck
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.shard_map import ShardRange
 from pstrain.runtime.transport import full_service_name, start_server
@@ -35,6 +38,7 @@ from tests.test_trainer import (  # noqa: F401 - make_trainer is a fixture
     DEVICES,
     LAYOUT,
     PER_DEVICE,
+    PS_SHARDS,
     STEPS,
     ListSource,
     MakeTrainer,
@@ -197,6 +201,88 @@ def test_a_replacement_redoes_a_step_its_predecessor_pushed_to_some_pieces_only(
         assert not thread.is_alive(), "a trainer hung"
     assert runs[0][1] == {"ran": STEPS} and runs[2][1] == {"ran": STEPS - dies_at}, runs
     torch.testing.assert_close(final_parameters(shards), reference(workers=2), rtol=1e-5, atol=1e-6)
+
+
+def lars_shards(workers: int = 2) -> list[PiecedShard]:
+    """The test_overlap shards with LARS: ``0.weight`` spans shards 0 and 1, ``2.weight`` shards 1 and 2."""
+    sizes = [math.prod(shape) for shape in LAYOUT.shapes]
+    exchange = InProcessExchange(PS_SHARDS, timeout_s=60)
+    lars = pb.OptimizerSpec(name="lars", momentum=0.9, weight_decay=0.01, trust_coefficient=0.02)
+
+    def layers(shard_id: int) -> Layers:
+        return Layers(segments_for(sizes, PS_SHARDS, shard_id), exchange.combiner(shard_id))
+
+    return build_shards(workers, lars, 0.5, layers)
+
+
+class AtOnce(LocalPsClient):
+    """Pushes each piece on a thread of its own, as the gRPC client's calls to the shards run at once: a LARS
+    shard's update waits for its peers' norms, which may take this very worker's push to a peer."""
+
+    def __init__(self, shards: Sequence[PiecedShard]) -> None:
+        super().__init__(shards, pull_timeout_s=60)
+        self.pushing = ThreadPoolExecutor(8, thread_name_prefix="push")
+
+    def push_pieces(
+        self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
+    ) -> PushHandle:
+        def one(piece: ShardRange) -> ShardAck:
+            return LocalPsClient.push_pieces(self, flat, [piece], worker_id, step, device_count).wait()[0]
+
+        return PushHandle([self.pushing.submit(one, piece) for piece in pieces])
+
+
+class DiesInsideASplitParameter(AtOnce):
+    """Cut off in step ``dies_at`` after pushing the last shard's piece of a parameter two shards hold only."""
+
+    def __init__(self, shards: Sequence[PiecedShard], dies_at: int) -> None:
+        super().__init__(shards)
+        self.dies_at = dies_at
+
+    def push_pieces(
+        self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
+    ) -> PushHandle:
+        holders = {p.shard_id for p in pieces}
+        if step == self.dies_at and len(holders) > 1:
+            last = [p for p in pieces if p.shard_id == max(holders)]
+            super().push_pieces(flat, last, worker_id, step, device_count)  # on its way: the shard takes it
+            raise ps_api.Unavailable("the worker was killed")
+        return super().push_pieces(flat, pieces, worker_id, step, device_count)
+
+
+def test_with_lars_a_replacement_redoes_a_step_whose_split_parameter_reached_one_holder(
+    make_trainer: MakeTrainer,  # noqa: F811
+) -> None:
+    """The holder that has both pushes updates and waits for the other's norms, which come only after the
+    replacement's push there; it must answer the replacement meanwhile (it held its lock: the job rolled back)."""
+    fault_free = lars_shards()
+    runs = [start(make_trainer(w, AtOnce(fault_free), bucket_bytes=SMALL_BUCKETS)) for w in (0, 1)]
+    for thread, outcome in runs:
+        thread.join(120)
+        assert not thread.is_alive() and outcome == {"ran": STEPS}, outcome
+    dies_at = 2
+    shards = lars_shards()
+    survivor = make_trainer(0, AtOnce(shards), bucket_bytes=SMALL_BUCKETS)
+    dying = make_trainer(1, DiesInsideASplitParameter(shards, dies_at), bucket_bytes=SMALL_BUCKETS)
+    runs = [start(survivor), start(dying)]
+    runs[1][0].join(60)
+    assert not runs[1][0].is_alive() and "error" in runs[1][1], runs[1][1]
+    split = shards[-1].pieces[0]  # 2.weight's part on the last shard: the dying worker pushed it, not the other part
+    assert LAYOUT.offsets[2] < split.start < LAYOUT.offsets[3]
+    wait_for(lambda: split._updating, 30, "the holder with both pushes to wait for its peer's norms")
+    client = AtOnce(shards)
+    replacement = make_trainer(1, client, bucket_bytes=SMALL_BUCKETS)
+    per_step = DEVICES * PER_DEVICE
+    replacement.feed = DataFeed(DATA, ListSource(1, worker_samples(1)[dies_at * per_step :]))
+    member = FakeMember()
+    replacement.start_at = rejoin(member, 1, client, LAYOUT.total, None, dies_at)  # type: ignore[arg-type]
+    assert replacement.start_at == dies_at  # it redoes the step
+    runs.append(start(replacement))
+    for thread, _ in (runs[0], runs[2]):
+        thread.join(120)
+        assert not thread.is_alive(), "a trainer hung"
+    assert runs[0][1] == {"ran": STEPS} and runs[2][1] == {"ran": STEPS - dies_at}, runs
+    torch.testing.assert_close(final_parameters(shards), final_parameters(fault_free), rtol=1e-6, atol=1e-7)
 
 
 def test_a_replacement_goes_on_after_a_step_its_predecessor_pushed_everywhere() -> None:

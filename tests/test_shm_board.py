@@ -192,7 +192,7 @@ def test_a_copy_racing_the_writer_is_never_accepted_torn() -> None:
             piece.write(0, torch.full((numel,), float(version)), version)
             if version % 25 == 0:  # now and then the reader gets a whole version (on a loaded host it may lose
                 with accepted_one:  # every race): the test then checks copies that were accepted, not none
-                    accepted_one.wait_for(lambda: newest[0] >= version, timeout=10)
+                    accepted_one.wait_for(lambda v=version: newest[0] >= v, timeout=10)
         done.set()
 
     writer = threading.Thread(target=write)
