@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -71,19 +72,25 @@ SET_WORKERS_TIMEOUT_S = 30.0
 
 
 def ps_worker_setter(security: TransportSecurity) -> SetPsWorkers:
-    """``Job``'s ``set_ps_workers`` (cluster.min_workers): SetWorkers on every PS shard, in shard order."""
+    """``Job``'s ``set_ps_workers`` (cluster.min_workers): SetWorkers on every PS shard at once; replies in shard order.
+
+    At once, not one after another: a removal may complete the step in flight, and with LARS/LAMB a shard holding
+    part of a split parameter then waits in SetWorkers for the other holder's norms, which that holder computes
+    only in its own SetWorkers (one shard at a time, the first call waited for the second until it timed out)."""
 
     def set_workers(addresses: list[str], from_step: int, ids: list[int], scaled_lr: float) -> list[tuple[bool, bool]]:
         request = pb.SetWorkersRequest(from_version=from_step, worker_ids=ids, scaled_lr=scaled_lr)
-        kept = []
-        for address in addresses:
+
+        def one(address: str) -> tuple[bool, bool]:
             channel = open_channel(address, security)
             try:
                 reply = pb_grpc.ParameterServerStub(channel).SetWorkers(request, timeout=SET_WORKERS_TIMEOUT_S)
             finally:
                 channel.close()
-            kept.append((reply.included_all, reply.included_any))
-        return kept
+            return reply.included_all, reply.included_any
+
+        with ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="set-workers") as pool:
+            return list(pool.map(one, addresses))
 
     return set_workers
 

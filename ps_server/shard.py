@@ -167,6 +167,7 @@ class ParameterShard:
         # entirely (``_outside_lock``) and says so in ``_updating``.
         self._cond = threading.Condition(threading.Lock())
         self._updating = False
+        self._failed: str | None = None  # why the shard refuses everything: an update failed halfway
         self._closed = False
 
     @classmethod
@@ -461,7 +462,15 @@ class ParameterShard:
             self._param.grad = self._accum  # the device sum; the fused step divides as it reads (one pass)
             for group in self._optimizer.param_groups:
                 group["lr"] = learning_rate(self._schedule, self._version)
-            step_on_mean(self._optimizer, sum(self._pending.values()))
+            try:
+                step_on_mean(self._optimizer, sum(self._pending.values()))
+            except BaseException as exc:
+                # Half done (the gradient divided, the optimizer's step counted, LAMB's moments moved): nothing may
+                # step or snapshot this shard again; it is restored from a checkpoint (the job rolls back).
+                self._failed = f"its update of step {self._version} failed ({type(exc).__name__}: {exc})"
+                self._param.grad = None
+                self._cond.notify_all()
+                raise
             self._param.grad = None
             self._publish()
         self._previous = self._published if skipped else self._spare  # version ``_version`` until the next update
@@ -505,6 +514,7 @@ class ParameterShard:
         if board.numel != self.numel:
             raise InvalidArgument(f"a board piece of {board.numel} elements for a piece of {self.numel}")
         with self._cond:
+            self._settled()
             board.write(0, self._published, self._version)
             board.stamps[1] = WRITING
             self._published, self._spare = board.halves[0], board.halves[1]
@@ -622,12 +632,14 @@ class ParameterShard:
             self._cond.notify_all()
 
     def _check_open(self) -> None:
+        if self._failed is not None:
+            raise NotReady(f"shard {self.shard_id} [{self.start}, {self.end}) {self._failed}; restart it")
         if self._closed:
             raise NotReady(f"shard {self.shard_id} is shutting down")
 
     def _settled(self) -> None:
         """Wait (the lock held) until no update is halfway, for what changes the step or reads mid-update state."""
-        self._cond.wait_for(lambda: self._closed or not self._updating)
+        self._cond.wait_for(lambda: self._closed or self._failed is not None or not self._updating)
         self._check_open()
 
     @contextmanager
@@ -642,6 +654,7 @@ class ParameterShard:
         changes the step or reads the update's half-done state waits (``_settled``). The parameters are not
         written before the norms are in, so every reader still sees the published version.
         """
+        assert self._cond._is_owned(), "a layer-wise update runs under the shard's lock"  # type: ignore[attr-defined]
         self._updating = True
         self._cond.release()
         try:
@@ -650,6 +663,7 @@ class ParameterShard:
             self._cond.acquire()
             self._updating = False
             self._cond.notify_all()
+        self._check_open()  # closed meanwhile (the server stops): the update does not publish
 
     def snapshot(self) -> ShardSnapshot:
         with self._cond:

@@ -18,7 +18,7 @@ import torch
 
 from examples.digits import evaluate, mlp, train_set
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.ps_server.errors import InvalidArgument, WaitTimeout
+from pstrain.ps_server.errors import InvalidArgument, NotReady, WaitTimeout
 from pstrain.ps_server.layerwise import InProcessExchange, Layers, NormBoard, SoloCombiner, restrict, segments_for
 from pstrain.ps_server.optimizer import build_optimizer
 from pstrain.ps_server.shard import ParameterShard
@@ -74,8 +74,9 @@ def make_shards(
     num_shards: int,
     one_d: list[bool] | None = None,
     workers: int = 1,
+    timeout_s: float = 30,
 ) -> list[ParameterShard]:
-    exchange = InProcessExchange(num_shards, timeout_s=30)
+    exchange = InProcessExchange(num_shards, timeout_s=timeout_s)
     layout_ranges = ParamLayout.from_shapes([str(i) for i in range(len(sizes))], [[s] for s in sizes])
     shards = []
     for r in layout_ranges.shard_ranges(num_shards):
@@ -195,7 +196,9 @@ def test_a_shard_waiting_for_its_peers_norms_lets_a_replacement_read_it_and_push
         assert not shard.push(0, 0, g0[shard.start : shard.end].clone(), DEVICES).completed  # the live worker
     first, second = shards
     updates = []
-    updating = threading.Thread(target=lambda: updates.append(first.push(1, 0, g1[: first.end].clone(), DEVICES)))
+    updating = threading.Thread(
+        target=lambda: updates.append(first.push(1, 0, g1[: first.end].clone(), DEVICES)), daemon=True
+    )
     updating.start()  # the failed worker's last push: shard 0 updates and waits for shard 1's norms
     wait_for(lambda: first._updating, 10, "shard 0's update to wait for its peer's norms")
     seen = {}
@@ -207,7 +210,7 @@ def test_a_shard_waiting_for_its_peers_norms_lets_a_replacement_read_it_and_push
         seen["here"] = first.push(1, 0, g1[: first.end].clone(), DEVICES)
         seen["there"] = second.push(1, 0, g1[second.start :].clone(), DEVICES)
 
-    replacing = threading.Thread(target=replacement)
+    replacing = threading.Thread(target=replacement, daemon=True)
     replacing.start()
     replacing.join(20)
     updating.join(20)
@@ -231,19 +234,61 @@ def test_a_checkpoint_waits_for_an_update_that_waits_for_norms():
     initial = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
     first, second = make_shards("lamb", initial, sizes, 2)
     g = grads(0, sum(sizes))
-    updating = threading.Thread(target=lambda: first.push(0, 0, g[: first.end].clone(), DEVICES))
+    updating = threading.Thread(target=lambda: first.push(0, 0, g[: first.end].clone(), DEVICES), daemon=True)
     updating.start()
     wait_for(lambda: first._updating, 10, "shard 0's update to wait for its peer's norms")
     states = []
-    snapshot = threading.Thread(target=lambda: states.append(first.checkpoint_state()))
+    snapshot = threading.Thread(target=lambda: states.append(first.checkpoint_state()), daemon=True)
     snapshot.start()
-    snapshot.join(0.2)  # bounded: it must still be waiting; the push below lets it through
-    assert snapshot.is_alive() and not states
+    wait_for(lambda: first._cond._waiters, 10, "the snapshot to wait for the update")
+    assert not states
     second.push(0, 0, g[second.start :].clone(), DEVICES)
     for thread in (updating, snapshot):
         thread.join(20)
         assert not thread.is_alive()
     assert states[0].version == 1 and torch.equal(states[0].params, first.parameters()[1])
+
+
+def test_an_update_that_failed_halfway_leaves_a_shard_that_refuses_everything():
+    """The norms never came: the gradient is divided, the optimizer's step counted. Stepping or snapshotting it
+    again would be wrong; it says why and is restored from a checkpoint instead."""
+    sizes = [math.prod(s) for s in SHAPES]
+    initial = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
+    first, _ = make_shards("lamb", initial, sizes, 2, timeout_s=0.2)
+    g = grads(0, sum(sizes))
+    with pytest.raises(WaitTimeout, match="partial norms"):
+        first.push(0, 0, g[: first.end].clone(), DEVICES)
+    for call in (
+        lambda: first.push(0, 0, g[: first.end].clone(), DEVICES),
+        first.checkpoint_state,
+        lambda: first.read(0, 1).__enter__(),
+        lambda: first.set_workers(1, [0], 0.1),
+    ):
+        with pytest.raises(NotReady, match="its update of step 0 failed"):
+            call()
+
+
+def test_a_shard_closed_while_its_update_waits_for_norms_does_not_publish():
+    sizes = [math.prod(s) for s in SHAPES]
+    initial = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
+    first, _ = make_shards("lars", initial, sizes, 2)
+    g = grads(0, sum(sizes))
+    errors = []
+
+    def push() -> None:
+        try:
+            first.push(0, 0, g[: first.end].clone(), DEVICES)
+        except NotReady as exc:
+            errors.append(exc)
+
+    updating = threading.Thread(target=push, daemon=True)
+    updating.start()
+    wait_for(lambda: first._updating, 10, "the update to wait for its peer's norms")
+    first.close()
+    first._optimizer.layers.norms.board.deposit(1, 1, {1: (1.0, 1.0)})  # the peer's norms come after all
+    updating.join(10)
+    assert not updating.is_alive() and errors and "shutting down" in str(errors[0])
+    assert first._version == 0 and torch.equal(first._published, initial[: first.end])
 
 
 def test_a_missing_peer_times_out_naming_it():
@@ -339,6 +384,43 @@ def test_the_exchange_over_grpc_equals_the_in_process_one():
         for server in servers:
             server.stop(0)
     assert torch.equal(ours, expected)  # the same partials summed in the same order: bit for bit
+
+
+def test_removing_a_worker_completes_a_split_parameters_step_on_every_holder():
+    """cluster.min_workers with LARS: the coordinator's SetWorkers completes the step in flight on both holders of
+    the split parameter, and each waits there for the other's norms. Sent one shard after another, the first
+    waited for the second until it timed out; sent at once, both finish."""
+    from pstrain.coordinator.service import ps_worker_setter
+    from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
+    from pstrain.runtime.security import INSECURE
+    from pstrain.runtime.transport import start_server
+
+    sizes = [math.prod(s) for s in SHAPES]
+    total = sum(sizes)
+    initial = torch.randn(total, generator=torch.Generator().manual_seed(0))
+    shards = make_shards("lars", initial, sizes, 2, workers=2)
+    servers = []
+    for shard in shards:
+        servicer = ParameterServerServicer()
+        servicer.shared_memory = False
+        server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
+        servicer.attach(shard, 1 << 16)
+        server.set_serving(True)
+        servers.append(server)
+    try:
+        g = grads(0, total)
+        for shard in shards:  # worker 0 pushed step 0; worker 1 never will
+            assert not shard.push(0, 0, g[shard.start : shard.end].clone(), DEVICES).completed
+        addresses = [f"127.0.0.1:{server.port}" for server in servers]
+        assert ps_worker_setter(INSECURE)(addresses, 0, [0], LR["lars"]) == [(False, False)] * 2
+    finally:
+        for server in servers:
+            server.stop(0)
+    assert [shard.version for shard in shards] == [1, 1]
+    ws = [t.clone() for t in initial.split(sizes)]
+    reference_lars(ws, [t / DEVICES for t in g.split(sizes)], [torch.zeros(n) for n in sizes], LR["lars"], 1)
+    ours = torch.cat([shard.parameters()[1] for shard in shards])
+    torch.testing.assert_close(ours, torch.cat(ws), rtol=1e-5, atol=1e-6)
 
 
 def test_only_this_jobs_ps_shards_may_post_norms():

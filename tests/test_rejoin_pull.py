@@ -231,6 +231,10 @@ class AtOnce(LocalPsClient):
 
         return PushHandle([self.pushing.submit(one, piece) for piece in pieces])
 
+    def close(self, cancel: bool = False) -> None:
+        super().close(cancel=cancel)
+        self.pushing.shutdown(wait=False)
+
 
 class DiesInsideASplitParameter(AtOnce):
     """Cut off in step ``dies_at`` after pushing the last shard's piece of a parameter two shards hold only."""
