@@ -13,17 +13,23 @@ measured from metrics.jsonl, and is compared with a quiet phase before it. Print
 * status load: GetJobStatus, a legitimate read.
 
 Each attacker is held to each of ``--rates`` calls/s in turn (default 1,000 and 100; uploads 10/s)
-and at most 256 calls in flight (``Paced``); every loop is bounded in time; nothing leaves 127.0.0.1.
-On one small host the attacker's own CPU is taken from training: read the ratios with the load.
+and at most 256 calls in flight; every loop is bounded in time; nothing leaves 127.0.0.1.
+On one small host the attacker's own CPU is taken from training. So each attack runs from two
+clients (``--clients``): gRPC's Python client (``Paced``), which spends about as much CPU per call
+as the server spends refusing it, and pre-encoded HTTP/2 frames (``bench/h2_flood.py``), which
+spend almost none, as an attacker on another host would: that run shows what the services
+themselves give up.
 
-    python bench/abuse.py [--phase-s 10] [--rates 1000,100]
+    python bench/abuse.py [--phase-s 10] [--rates 1000,100] [--clients raw,grpc]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
+import functools
 import itertools
 import os
 import platform
@@ -36,14 +42,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 import yaml
+from google.protobuf.message import Message
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.h2_flood import H2Flood, RawCall  # noqa: E402
 from pstrain.protos import pstrain_pb2 as pb  # noqa: E402
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
 from pstrain.protos.codec import encode_chunks  # noqa: E402
@@ -52,6 +61,7 @@ from pstrain.runtime.transport import open_channel  # noqa: E402
 from tests.helpers import child_env, pids_with_marker, stop_local, wait_for  # noqa: E402
 
 MAX_IN_FLIGHT = 256
+RAW_SAMPLE = 50  # with the raw client, one call in this many goes through gRPC's client for its status code
 
 
 def write_job(path: Path) -> Path:
@@ -197,90 +207,183 @@ class Paced:
 
 
 class Cached:
-    """A figure (a shard's version, the job's step) refreshed at most every ``every_s``."""
+    """A figure (a shard's version, the job's step) that a thread of its own refreshes every ``every_s`` until
+    ``stop``: the flood that reads it never waits for the fetch (a blocking gRPC call) or pays for it."""
 
-    def __init__(self, fetch: Callable[[], int], every_s: float = 0.5) -> None:
-        self._fetch, self._every_s, self._at, self._value = fetch, every_s, -1e9, 0
+    def __init__(self, fetch: Callable[[], int], stop: threading.Event, every_s: float = 0.5) -> None:
+        self._fetch, self._stop, self._every_s = fetch, stop, every_s
+        self.value = fetch()
+        threading.Thread(target=self._follow, name="cached-figure", daemon=True).start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self._every_s):
+            with contextlib.suppress(grpc.RpcError):  # busy or gone: the last figure stands
+                self.value = self._fetch()
 
     def __call__(self) -> int:
-        if time.monotonic() - self._at > self._every_s:
-            self._value, self._at = self._fetch(), time.monotonic()
-        return self._value
+        return self.value
 
 
-def forged_pushes(rate: float) -> Attack:
+@dataclass(frozen=True)
+class Call:
+    """One attacker call, for either client: its target (an index into the attack's addresses), method and requests."""
+
+    target: int
+    service: str
+    method: str
+    requests: tuple[Message, ...]
+    metadata: tuple[tuple[str, str], ...] = ()
+    timeout_s: float = 10.0
+
+    def start(self, stubs: list[Any]) -> grpc.Future:
+        """Through gRPC's own client."""
+        method = pb.DESCRIPTOR.services_by_name[self.service].methods_by_name[self.method]
+        request = iter(self.requests) if method.client_streaming else self.requests[0]
+        multicallable = getattr(stubs[self.target], self.method)
+        start = multicallable if method.server_streaming else multicallable.future  # a response stream is a future
+        return start(request, metadata=self.metadata or None, timeout=self.timeout_s)
+
+    @functools.cached_property
+    def raw(self) -> RawCall:
+        """As pre-encoded HTTP/2 (``bench/h2_flood.py``): serialized once however often it is sent."""
+        path = f"/{pb.DESCRIPTOR.services_by_name[self.service].full_name}/{self.method}"
+        deadline = (("grpc-timeout", f"{round(self.timeout_s * 1000)}m"),)  # as gRPC's client sends it
+        return RawCall(path, tuple(r.SerializeToString() for r in self.requests), deadline + self.metadata)
+
+
+def flood(
+    addresses: list[str],
+    stub_type: Callable[[grpc.Channel], Any],
+    rate: float,
+    stop: threading.Event,
+    outcome: Outcome,
+    client: str,
+    make_calls: Callable[[list[Any], threading.Event], Callable[[], Call]],
+) -> None:
+    """Sends ``make_calls(stubs, stop)()`` at ``rate``: through gRPC's client, or (``client="raw"``) as pre-encoded
+    HTTP/2 with one call in RAW_SAMPLE through gRPC's client beside it, for the status codes (raw answers are
+    counted, not decoded)."""
+    channels = [open_channel(a) for a in addresses]
+    try:
+        stubs = [stub_type(c) for c in channels]
+        next_call = make_calls(stubs, stop)
+        if client == "grpc":
+            Paced(rate, stop, outcome).run(lambda: next_call().start(stubs))
+            return
+        sampled = Outcome(outcome.attack)
+        sampler = threading.Thread(
+            target=Paced(rate / RAW_SAMPLE, stop, sampled).run, args=(lambda: next_call().start(stubs),), daemon=True
+        )
+        cpu_before = time.process_time()
+        raw = H2Flood(addresses, MAX_IN_FLIGHT)
+        try:
+            sampler.start()
+
+            def raw_call() -> tuple[int, RawCall]:
+                call = next_call()
+                return call.target, call.raw
+
+            stats = raw.run(rate * (1 - 1 / RAW_SAMPLE), stop, raw_call)
+        finally:
+            raw.close()
+            sampler.join(60)
+        cpu = time.process_time() - cpu_before
+        elapsed = max(stats.elapsed_s, 1e-9)
+        outcome.codes, outcome.calls = sampled.codes, sampled.calls + stats.answered
+        outcome.note = (
+            f"raw HTTP/2: {stats.answered / elapsed:.0f} calls/s answered ({stats.sent / elapsed:.0f} sent"
+            + (f", {stats.skipped} not sent at the in-flight or flow-control limit" if stats.skipped else "")
+            + (f", {stats.reset} reset by the server" if stats.reset else "")
+            + (", connection closed" if stats.closed else "")
+            + f"), codes from {sampled.calls} calls through gRPC's client beside it; attacker {cpu / elapsed:.0%} "
+            f"of a core ({stats.cpu_s / elapsed:.0%} the raw flood)"
+        )
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def forged_pushes(rate: float, client: str = "grpc") -> Attack:
     def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
         """Pushes for worker 0 at each shard's current version: NaN without a credential, garbage with a made-up one.
 
-        From gRPC's blocking client, which spends a short-lived thread per client-streaming call feeding its
-        requests (the note's attacker CPU counts it). Its asyncio client would be cheaper, but it reports about
-        1% of these calls as INTERNAL ("Internal error from Core") when the shard's early refusal races its write
-        of the payload, which would hide what the shard answered."""
-        channels = [open_channel(a) for a in cluster.ps]
-        try:
-            stubs = [pb_grpc.ParameterServerStub(c) for c in channels]
+        gRPC's blocking client spends a short-lived thread per client-streaming call feeding its requests (the
+        note's attacker CPU counts it). Its asyncio client would be cheaper, but it reports about 1% of these calls
+        as INTERNAL ("Internal error from Core") when the shard's early refusal races its write of the payload,
+        which would hide what the shard answered."""
+        payloads = [  # encoded once: the attacker's CPU goes into sending, as a real flood's would
+            [tuple(pb.PushRequest(chunk=c) for c in encode_chunks(torch.full((n,), v))) for v in (float("nan"), 1e6)]
+            for n in cluster.numel
+        ]
+        made_up = ((HEADER, "worker:0:0:" + "ab" * 32),)
+
+        def make_calls(stubs: list[Any], stop: threading.Event) -> Callable[[], Call]:
             versions = [
-                Cached(lambda s=stub: s.GetShardStatus(pb.ShardStatusRequest(), timeout=10).version) for stub in stubs
+                Cached(lambda s=stub: s.GetShardStatus(pb.ShardStatusRequest(), timeout=10).version, stop)
+                for stub in stubs
             ]
-            made_up = [(HEADER, "worker:0:0:" + "ab" * 32)]
-            payloads = [  # encoded once: the attacker's CPU goes into sending, as a real flood's would
-                [[pb.PushRequest(chunk=c) for c in encode_chunks(torch.full((n,), v))] for v in (float("nan"), 1e6)]
-                for n in cluster.numel
-            ]
+
+            @functools.lru_cache(maxsize=64)
+            def push(shard: int, forged: int, step: int) -> Call:
+                header = pb.PushHeader(
+                    shard_id=shard,
+                    worker_id=0,
+                    step=step,
+                    device_count=1,
+                    dtype=pb.FLOAT32,
+                    numel=cluster.numel[shard],
+                )
+                requests = (pb.PushRequest(header=header), *payloads[shard][forged])
+                return Call(shard, "ParameterServer", "Push", requests, made_up if forged else ())
+
             turn = itertools.count()
 
-            def start() -> grpc.Future:
+            def next_call() -> Call:
                 i = next(turn)
-                shard, forged = i % len(stubs), i // len(stubs) % 2
-                numel = cluster.numel[shard]
-                header = pb.PushHeader(
-                    shard_id=shard, worker_id=0, step=versions[shard](), device_count=1, dtype=pb.FLOAT32, numel=numel
-                )
-                requests = [pb.PushRequest(header=header), *payloads[shard][forged]]
-                return stubs[shard].Push.future(iter(requests), metadata=made_up if forged else None, timeout=10)
+                shard = i % len(stubs)
+                return push(shard, i // len(stubs) % 2, versions[shard]())
 
-            Paced(rate, stop, outcome).run(start)
-        finally:
-            for channel in channels:
-                channel.close()
+            return next_call
+
+        flood(cluster.ps, pb_grpc.ParameterServerStub, rate, stop, outcome, client, make_calls)
 
     return attack
 
 
-def forged_reports(rate: float) -> Attack:
+def forged_reports(rate: float, client: str = "grpc") -> Attack:
     def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
         """ReportStep (loss NaN, samples -2000) and RequestDataShard for worker 0, without its credential."""
-        with open_channel(cluster.coordinator) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            step = Cached(lambda: stub.GetJobStatus(pb.JobStatusRequest(), timeout=10).step)
+        shard_request = Call(0, "Coordinator", "RequestDataShard", (pb.DataShardRequest(worker_id=0),))
+
+        def make_calls(stubs: list[Any], stop: threading.Event) -> Callable[[], Call]:
+            step = Cached(lambda: stubs[0].GetJobStatus(pb.JobStatusRequest(), timeout=10).step, stop)
+
+            @functools.lru_cache(maxsize=64)
+            def report(at: int) -> Call:
+                message = pb.StepReport(worker_id=0, step=at, loss=float("nan"), samples=-2000, step_s=0.1)
+                return Call(0, "Coordinator", "ReportStep", (message,))
+
             turn = itertools.count()
+            return lambda: shard_request if next(turn) % 2 else report(step())
 
-            def start() -> grpc.Future:
-                if next(turn) % 2:
-                    return stub.RequestDataShard.future(pb.DataShardRequest(worker_id=0), timeout=10)
-                report = pb.StepReport(worker_id=0, step=step(), loss=float("nan"), samples=-2000, step_s=0.1)
-                return stub.ReportStep.future(report, timeout=10)
-
-            Paced(rate, stop, outcome).run(start)
+        flood([cluster.coordinator], pb_grpc.CoordinatorStub, rate, stop, outcome, client, make_calls)
 
     return attack
 
 
-def pull_flood(rate: float) -> Attack:
+def pull_flood(rate: float, client: str = "grpc") -> Attack:
     def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
         """Pulls for version 10^9 on shard 0; each would wait (up to its 30 s deadline) if admitted."""
-        with open_channel(cluster.ps[0]) as channel:
-            stub = pb_grpc.ParameterServerStub(channel)
-            Paced(rate, stop, outcome).run(
-                lambda: stub.Pull(pb.PullRequest(shard_id=0, min_version=10**9), timeout=30)  # type: ignore[return-value]
-            )
+        call = Call(0, "ParameterServer", "Pull", (pb.PullRequest(shard_id=0, min_version=10**9),), timeout_s=30.0)
+        flood(cluster.ps[:1], pb_grpc.ParameterServerStub, rate, stop, outcome, client, lambda *_: lambda: call)
 
     return attack
 
 
 def oversized_uploads(rate: float) -> Attack:
     def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
-        """UploadBuffers: 64 MiB under an unknown name, and a claimed shape of 2^40, alternately."""
+        """UploadBuffers: 64 MiB under an unknown name, and a claimed shape of 2^40, alternately (gRPC's client
+        only: the raw client does not wait for flow control, and at 10/s what costs is the bytes, not the calls)."""
         before = cluster.coordinator_rss_mib()
         with open_channel(cluster.coordinator) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
@@ -297,12 +400,11 @@ def oversized_uploads(rate: float) -> Attack:
     return attack
 
 
-def status_load(rate: float) -> Attack:
+def status_load(rate: float, client: str = "grpc") -> Attack:
     def attack(cluster: Cluster, stop: threading.Event, outcome: Outcome) -> None:
         """GetJobStatus, a legitimate read, paced at ``rate``."""
-        with open_channel(cluster.coordinator) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            Paced(rate, stop, outcome).run(lambda: stub.GetJobStatus.future(pb.JobStatusRequest(), timeout=10))
+        call = Call(0, "Coordinator", "GetJobStatus", (pb.JobStatusRequest(),))
+        flood([cluster.coordinator], pb_grpc.CoordinatorStub, rate, stop, outcome, client, lambda *_: lambda: call)
 
     return attack
 
@@ -337,17 +439,19 @@ def run_attack(cluster: Cluster, name: str, attack: Attack, phase_s: float) -> t
     return outcome, before, during
 
 
-def attacks(rates: list[float]) -> list[tuple[str, Attack]]:
+def attacks(rates: list[float], clients: list[str]) -> list[tuple[str, Attack]]:
     chosen: list[tuple[str, Attack]] = []
-    for rate in rates:
-        chosen += [
-            (f"forged pushes (NaN / garbage for worker 0) at {rate:.0f}/s", forged_pushes(rate)),
-            (f"forged ReportStep + RequestDataShard at {rate:.0f}/s", forged_reports(rate)),
-            (f"pull flood (version 10^9) at {rate:.0f}/s", pull_flood(rate)),
-            (f"GetJobStatus at {rate:.0f}/s", status_load(rate)),
-        ]
+    for client in clients:
+        via = "raw HTTP/2" if client == "raw" else "gRPC client"
+        for rate in rates:
+            chosen += [
+                (f"forged pushes (NaN / garbage for worker 0) at {rate:.0f}/s, {via}", forged_pushes(rate, client)),
+                (f"forged ReportStep + RequestDataShard at {rate:.0f}/s, {via}", forged_reports(rate, client)),
+                (f"pull flood (version 10^9) at {rate:.0f}/s, {via}", pull_flood(rate, client)),
+                (f"GetJobStatus at {rate:.0f}/s, {via}", status_load(rate, client)),
+            ]
     # 64 MiB each: the loopback carries about ten a second.
-    return [*chosen, ("oversized UploadBuffers (64 MiB, 2^40) at 10/s", oversized_uploads(10.0))]
+    return [*chosen, ("oversized UploadBuffers (64 MiB, 2^40) at 10/s, gRPC client", oversized_uploads(10.0))]
 
 
 @dataclass
@@ -368,9 +472,11 @@ class Row:
         return self.during / (sum(quiet) / len(quiet)) if quiet and sum(quiet) > 0 else float("nan")
 
 
-def iter_results(cluster: Cluster, rates: list[float], phase_s: float, only: str = "") -> Iterator[Row]:
+def iter_results(
+    cluster: Cluster, rates: list[float], clients: list[str], phase_s: float, only: str = ""
+) -> Iterator[Row]:
     previous: Row | None = None
-    for name, attack in attacks(rates):
+    for name, attack in attacks(rates, clients):
         if only and only not in name:
             continue
         outcome, before, during = run_attack(cluster, name, attack, phase_s)
@@ -390,15 +496,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase-s", type=float, default=10.0, help="seconds of each quiet and each attack phase")
     p.add_argument("--rates", default="1000,100", help="calls per second each attacker is held to, comma-separated")
+    p.add_argument(
+        "--clients",
+        default="raw,grpc",
+        help="the attacker's clients, comma-separated: raw (pre-encoded HTTP/2, bench/h2_flood.py: almost no "
+        "attacker CPU, as from another host) and grpc (gRPC's Python client)",
+    )
     p.add_argument("--only", default="", help="run only the attacks whose name contains this")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.md"))
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    clients = args.clients.split(",")
+    if not set(clients) <= {"raw", "grpc"}:
+        p.error(f"--clients: {args.clients!r}: each must be raw or grpc")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="abuse-") as tmp:
         cluster = start_cluster(Path(tmp))
         try:
-            results = list(iter_results(cluster, rates, args.phase_s, args.only))
+            results = list(iter_results(cluster, rates, clients, args.phase_s, args.only))
             alive = cluster.proc.poll() is None
             final_steps = cluster.steps()
         finally:
@@ -407,14 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Abuse benchmark (issue 8)",
         "",
-        f"`python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates}` on {platform.node()}, "
+        f"`python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates} --clients {args.clients}` on "
+        f"{platform.node()}, "
         f"{os.cpu_count()} cores, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
         f"Load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (other work shared the machine).",
         "",
         "A `pstrain local` job (2 PS shards, 2 workers x 1 CPU device) trains while each attack runs from",
         f"127.0.0.1 for {args.phase_s:g} s; steps/s are measured in quiet phases just before and after it and during",
         "it; the ratio is during / the mean of before and after. The attacker runs on the same cores: its CPU is in",
-        "the note, with the load average at the end of the attack.",
+        "the note, with the load average at the end of the attack. With the raw HTTP/2 client",
+        "(`bench/h2_flood.py`) the attacker spends a few per cent of a core, about what an attacker on another host",
+        "costs this one; its answers are counted, and their codes come from one call in",
+        f"{RAW_SAMPLE} sent through gRPC's client beside it.",
         "",
         "| attack | codes returned | calls | steps/s before | during | after | ratio | note |",
         "|---|---|---:|---:|---:|---:|---:|---|",

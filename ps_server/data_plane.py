@@ -186,6 +186,7 @@ class ShardDataPlane:
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # h.dtype is the job's push dtype (checked)
             pushing: asyncio.Future[PushResult] | None = None
             receiving: asyncio.Future[torch.Tensor] | None = None
+            adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
             try:
                 take: Callable[[], torch.Tensor]
                 if h.shm_nonce:  # the piece is in the worker's push region: copied out in the shard's thread
@@ -216,7 +217,9 @@ class ShardDataPlane:
                     take = assembler.result
 
                 def call() -> PushResult:
-                    return shard.push(h.worker_id, h.step, take(), h.device_count, piece_start=piece)
+                    grad = take()
+                    recycle = adopted.append if grad is buf else None
+                    return shard.push(h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle)
 
                 pushing = asyncio.get_running_loop().run_in_executor(None, call)
                 pushing.add_done_callback(self._moved_by(piece))
@@ -225,9 +228,9 @@ class ShardDataPlane:
             finally:
                 running = next((f for f in (receiving, pushing) if f is not None and not f.done()), None)
                 if running is None:
-                    self._pool.release(buf)
+                    self._pool.release(adopted[0] if adopted else buf)
                 else:
-                    running.add_done_callback(lambda _: self._pool.release(buf))
+                    running.add_done_callback(lambda _: self._pool.release(adopted[0] if adopted else buf))
         metrics.BYTES_PUSHED.inc(h.numel * buf.element_size())
         _observe_push(started, result)
         return result

@@ -198,12 +198,17 @@ class PiecedShard:
         device_count: int,
         skip: bool = False,
         piece_start: int | None = None,
+        recycle: Callable[[torch.Tensor], None] | None = None,
     ) -> PushResult:
-        """One worker's contribution to one piece (``piece_start``) or to all of them."""
+        """One worker's contribution to one piece (``piece_start``) or to all of them. ``recycle`` as in
+        ``ParameterShard.push``, for a piece's push or a whole shard of one piece (a push to several pieces is cut
+        into views: none is adopted)."""
+        if piece_start is None and len(self.pieces) == 1 and grad is not None and grad.numel() == self.numel:
+            piece_start = self.start
         if piece_start is not None:
             found = self._by_start.get(piece_start)
             numel = (found.numel if found is not None else 0) if grad is None else grad.numel()
-            return self.piece(piece_start, numel).push(worker_id, step, grad, device_count, skip=skip)
+            return self.piece(piece_start, numel).push(worker_id, step, grad, device_count, skip=skip, recycle=recycle)
         numel = self.numel if grad is None else grad.numel()
         dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)
         duplicate = self.check_push(self.shard_id, worker_id, step, device_count, dtype, numel)

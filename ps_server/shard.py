@@ -238,12 +238,23 @@ class ParameterShard:
             return self._classify_step(worker_id, step)
 
     def push(
-        self, worker_id: int, step: int, grad: torch.Tensor | None, device_count: int, skip: bool = False
+        self,
+        worker_id: int,
+        step: int,
+        grad: torch.Tensor | None,
+        device_count: int,
+        skip: bool = False,
+        recycle: Callable[[torch.Tensor], None] | None = None,
     ) -> PushResult:
         """Count one worker's summed gradient for ``step``; the last one applies the update.
 
         ``skip`` (no ``grad``): the worker saw a non-finite loss or gradient; the step then
         completes without an update, on every shard alike.
+
+        ``recycle``: ``grad`` is a scratch buffer the caller gives up (a push received from the
+        network). If it is the step's first contribution, the shard keeps it as its accumulator
+        instead of copying it there (issue 12: one pass less over the shard per step) and hands
+        the old accumulator, as large, to ``recycle``; the caller then owns that one, not ``grad``.
         """
         numel = self.numel if grad is None else grad.numel()
         dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)
@@ -276,7 +287,14 @@ class ParameterShard:
                 self._held[worker_id] = self._accum[:0]  # an empty placeholder: nothing to add
             else:
                 in_turn = self._summed < len(self._order) and worker_id == self._order[self._summed]
-                if self._second_first(worker_id):
+                second_first = self._second_first(worker_id)
+                if recycle is not None and not self._has_sum and (in_turn or second_first) and self._adoptable(grad):
+                    # The step's first contribution: the buffer becomes the accumulator; ``_sum_in_order`` passes
+                    # over it (pending, not held), as over a second-first one.
+                    spare, self._accum = self._accum, grad
+                    self._has_sum = True
+                    recycle(spare)
+                elif second_first:
                     # Issue 12: the second worker in order arrived first. a + b == b + a exactly, so its
                     # contribution becomes the accumulator at once (no clone to hold it, no second pass);
                     # ``_sum_in_order`` passes over it when the first one is added.
@@ -427,6 +445,19 @@ class ParameterShard:
                     self._accum.add_(grad)
                 self._has_sum = True
             self._summed += 1
+
+    def _adoptable(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` can stand in for the accumulator: float32 (a bfloat16 push is widened into it), the
+        same shape, its own storage from the start (not a view into something the caller still uses)."""
+        accum = self._accum
+        return (
+            grad.dtype == accum.dtype
+            and grad.shape == accum.shape
+            and grad.device == accum.device
+            and grad.is_contiguous()
+            and grad.storage_offset() == 0
+            and grad._base is None
+        )
 
     def _second_first(self, worker_id: int) -> bool:
         """Whether ``worker_id`` is second in summing order and its contribution comes before anything was summed

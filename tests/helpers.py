@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -269,3 +273,38 @@ def empty_set() -> TensorDataset:
 def mean_output(model: nn.Module, n: int = 4) -> dict[str, float]:
     """An eval callable: the model's mean output on ``n`` fixed inputs."""
     return {"mean_output": float(model(classification_set(n).tensors[0]).mean())}
+
+
+@dataclass
+class GuardedShard:
+    address: str
+    keys: Any  # MemberKeys: the credentials its gate accepts
+    servicer: Any  # ParameterServerServicer
+    shard: Any  # ParameterShard
+
+
+@contextlib.contextmanager
+def guarded_shard(numel: int, workers: int, pulls: Any = None) -> Iterator[GuardedShard]:
+    """A real PS shard on an asyncio gRPC server on 127.0.0.1 whose gate checks member credentials (fresh keys), as a
+    job's shard does; SGD with learning rate 1 from zeros. (Imports inside: job factories in child processes import
+    this module.)"""
+    from pstrain.protos import pstrain_pb2 as pb
+    from pstrain.ps_server.admission import ShardGate
+    from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
+    from pstrain.ps_server.shard import ParameterShard
+    from pstrain.runtime.identity import MemberKeys
+    from pstrain.runtime.transport import start_server
+
+    keys = MemberKeys.generate()
+    servicer = ParameterServerServicer()
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
+    schedule = pb.LrSchedule(scaled_lr=1.0)
+    shard = ParameterShard(0, 0, numel, torch.zeros(numel), pb.OptimizerSpec(name="sgd"), schedule, workers)
+    try:
+        servicer.attach(shard, 1024)
+        servicer.gate = ShardGate(keys, 1, pulls)
+        server.set_serving(True)
+        yield GuardedShard(f"127.0.0.1:{server.port}", keys, servicer, shard)
+    finally:
+        shard.close()
+        server.stop(0)

@@ -72,6 +72,34 @@ def test_a_pull_waits_for_both_pushes_and_gets_the_update():
     assert version == 1 and torch.allclose(params, initial - (g0 + g1) / 2)
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 2, 0), (2, 0, 1)])
+def test_received_pushes_become_accumulators_and_staging_buffers_stay_apart(order):
+    """Issue 12: a streamed push's staging buffer is kept as the accumulator and the pool gets the old one back;
+    over steps in every arrival order the shard's parameters are those of an in-process shard that copies, and no
+    buffer is ever both in the pool and the shard's."""
+    data_plane, initial = plane(workers=3)
+    reference = ParameterShard(0, 0, NUMEL, initial.clone(), SGD, LR, workers=3)
+    gen = torch.Generator().manual_seed(3)
+
+    async def run():
+        piece = data_plane.shard.piece(0, NUMEL)
+        for step in range(4):
+            grads = [torch.randn(NUMEL, generator=gen) * 10 ** (3 * w) for w in range(3)]
+            for worker in (0, 1, 2):
+                reference.push(worker, step, grads[worker], 1)
+            before = piece._accum
+            for worker in order:
+                await data_plane.push(header(worker, step), None, chunks(grads[worker]), lambda: None)
+                pooled = [b for free in data_plane._pool._free.values() for b in free]
+                assert all(b is not piece._accum for b in pooled)
+                assert len({id(b) for b in pooled}) == len(pooled)
+            assert piece._accum is not before  # a received buffer was kept, not copied
+
+    asyncio.run(run())
+    assert data_plane.shard.version == 4
+    assert torch.equal(data_plane.shard.parameters()[1], reference.parameters()[1])
+
+
 def test_a_repeated_push_is_a_duplicate_and_one_ahead_a_conflict():
     data_plane, _ = plane(workers=1)
     grad = torch.ones(NUMEL)

@@ -252,6 +252,43 @@ def test_contributions_are_summed_in_worker_order_whatever_the_arrival(order):
     assert torch.equal(shard.parameters()[1], reference.parameters()[1])
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (2, 0, 1), (1, 2, 0)])
+def test_a_given_up_buffer_becomes_the_accumulator_and_the_old_one_is_handed_back(order):
+    """Issue 12: the step's first contribution (in turn, or the second in order arriving first) is kept, not copied;
+    the sums and updates are those of copying, and the buffer handed back is the caller's: reusing it at once (as the
+    staging pool does) changes nothing."""
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(5, generator=gen) * 10 ** (3 * w) for w in range(3)]
+    reference, shard = make(workers=3), make(workers=3)
+    for step in range(3):
+        for worker in (0, 1, 2):
+            reference.push(worker, step, grads[worker] * (step + 1), 1)
+        handed: list[torch.Tensor] = []
+        given = []
+        for worker in order:
+            given.append(grads[worker] * (step + 1))
+            shard.push(worker, step, given[-1], 1, recycle=handed.append)
+            for spare in handed:
+                spare.fill_(float("nan"))
+        assert len(handed) == 1 and all(handed[0] is not g for g in given)
+        assert torch.equal(shard.parameters()[1], reference.parameters()[1])
+
+
+def test_only_a_whole_float32_buffer_is_kept():
+    handed: list[torch.Tensor] = []
+    shard = make(workers=1)
+    backing = torch.ones(7)
+    shard.push(0, 0, backing[1:6], 2, recycle=handed.append)  # a view: the caller's tensor lives on
+    shard.push(0, 1, torch.ones(5), 2)  # nothing to give back to
+    # Two devices: the fused step divides the gradient in place, in the accumulator; the caller's tensor keeps its ones.
+    assert handed == [] and torch.equal(backing, torch.ones(7))
+    shard.push(0, 2, torch.ones(5), 2, recycle=handed.append)
+    assert len(handed) == 1 and handed[0].shape == (5,)
+    bf16 = ParameterShard(1, 10, 15, torch.zeros(5), SGD, LR, 1, push_dtype=pb.BFLOAT16)
+    bf16.push(0, 0, torch.ones(5, dtype=torch.bfloat16), 1, recycle=handed.append)  # widened into the accumulator
+    assert len(handed) == 1 and bf16.version == 1
+
+
 def test_a_restored_shard_continues_exactly_like_the_original():
     snapshots = []
     from pstrain.ps_server.shard import CheckpointPolicy
