@@ -231,7 +231,7 @@ class H2Flood:
             if due > 0:
                 self._start(due, next_call)
             readable, _, _ = select.select(list(socks), [], [], 0)
-            while readable:  # everything the server has answered so far, then sleep to the next tick
+            while readable and not stats.closed:  # all answered so far (a closed socket stays readable: stop)
                 for sock in readable:
                     socks[sock].receive()
                 readable, _, _ = select.select(list(socks), [], [], 0)

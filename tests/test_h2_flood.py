@@ -3,6 +3,7 @@ answer every one of them (the refusal counter moves by as many), and a real one 
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -71,6 +72,23 @@ def test_a_raw_call_with_the_credential_is_served(shard_address):
     assert raw.stats.reset == 0 and not raw.stats.closed
     wait_for(lambda: shard.version == 1, 10, "the pushed step applied")
     assert torch.allclose(shard.parameters()[1], torch.full((NUMEL,), -2.0))  # sgd, lr 1, one device: 0 - 2
+
+
+def test_a_flood_ends_when_the_server_closes_the_connection():
+    """A peer that hangs up ends the flood with its figures (a closed socket stays readable: no spinning on it)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        raw = H2Flood([f"127.0.0.1:{listener.getsockname()[1]}"])
+        accepted, _ = listener.accept()
+        accepted.close()
+        stop = threading.Event()
+        thread = threading.Thread(target=raw.run, args=(100.0, stop, lambda: (0, RawCall("/a/B", (b"",)))))
+        thread.start()
+        thread.join(10)
+        stop.set()
+        alive = thread.is_alive()
+        thread.join(10)
+        raw.close()
+    assert not alive and raw.stats.closed
 
 
 def test_header_blocks_use_literals_only():
