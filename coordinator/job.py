@@ -374,6 +374,12 @@ class Job:
             self.data_shards.fold(step, consumed)
             return {"worker_ids": list(workers), "tracker": tracker}
 
+    def serving(self) -> None:
+        """The coordinator answers from now: a recovered job's members get their whole reattach window."""
+        with self._cond:
+            if self._awaiting:
+                self.membership.restart_clocks()
+
     def _reattached(self, role: str, member_id: int) -> None:
         """A member of a recovered job was heard from (the lock held); the last one ends the recovery."""
         self._awaiting.discard((role, member_id))

@@ -262,6 +262,7 @@ def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
         job.metrics_address = metrics_address_of(args.bind, metrics)
     log.info("job %s on port %d: %s", job.job_id, server.port, job.plan.describe())
     server.set_serving(True)
+    job.serving()
     if args.port_file:
         write_port_file(args.port_file, server.port)
     sd_notify("READY=1")

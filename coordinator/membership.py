@@ -287,6 +287,14 @@ class Membership:
             member.failed_at = now
             (self._ps if member.role == "ps" else self._workers)[member.id] = member
 
+    def restart_clocks(self) -> None:
+        """Every member heard from now, as ``restore`` does: the restarted coordinator answers only from
+        here, and a member cannot reattach while it starts its server (seconds on a loaded host)."""
+        now = self._clock()
+        for member in self.members():
+            member.last_seen = now
+            member.failed_at = now
+
     def members(self) -> list[Member]:
         return [*self._ps.values(), *self._workers.values()]
 

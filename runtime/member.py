@@ -65,8 +65,9 @@ EXIT_JOB_FAILED = 3
 stop``, a failed probe): a launcher restarts nothing on 2 or 3, nor do the units
 (``RestartPreventExitStatus=2 3``)."""
 
-JOIN_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
-"""Registration errors that mean "not yet": a restarting coordinator, or one whose failed job is ending."""
+JOIN_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED)
+"""Registration errors that mean "not yet": a restarting coordinator (CANCELLED: the call reached it as it
+stopped), or one whose failed job is ending."""
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (SecurityError, 2),  # settings that cannot work: retrying will not help

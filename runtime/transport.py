@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+RECONNECT_BACKOFF_MS = (250, 1000)
+"""A lost peer is tried again after 0.25 s, then about once a second (gRPC adds its jitter): a down
+service sees about one connection attempt per second per client, and a client is back within a
+second of its peer."""
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -41,6 +45,10 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC's default reconnect backoff grows to 2 min: a member would call a coordinator that is back
+    # (``systemctl restart`` after an outage) only seconds later, past its reattach window.
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
 ]
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

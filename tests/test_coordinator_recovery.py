@@ -31,7 +31,7 @@ from tests.test_job import RAW, Clock
 RECOVERY_RAW = {**RAW, "data": {"factory": "tests.helpers:classification_set", "shard_size": 3}, "job": {"steps": 12}}
 
 
-def journaled_job(tmp_path, taken_back=None):
+def journaled_job(tmp_path, taken_back=None, clock=None):
     cfg = parse_config(RECOVERY_RAW)
     plan = make_plan(cfg)
     model = ModelState(cfg)
@@ -46,7 +46,7 @@ def journaled_job(tmp_path, taken_back=None):
         tmp_path,
         lambda addresses, version: torch.zeros(model.layout.total),
         30.0,
-        Clock(),
+        clock or Clock(),
         recovery=taken_back,
     )
     return job
@@ -103,6 +103,24 @@ def test_a_restarted_coordinator_takes_the_job_back_where_it_was(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1, 2, 3]  # every step once
     assert lines[3]["loss"] == (0.5 + 3 + 0.5 + 3 + 1) / 2
+
+
+def test_the_reattach_window_opens_when_the_restarted_coordinator_serves(tmp_path):
+    """Reading the journal, loading the model and starting the server can take longer than the
+    heartbeat timeout on a loaded host: that time must not count against the members."""
+    run_until_crash(journaled_job(tmp_path))
+    clock = Clock()
+    second = journaled_job(tmp_path, recovery(tmp_path / JOURNAL_NAME), clock)
+    clock.now += 31.0  # the heartbeat timeout (30 s) passed before the server answered
+    second.serving()
+    second.check_liveness()
+    assert second.state == JobState.RUNNING and second.status().message.startswith("recovering")
+    for _ in range(2):  # worker 1 never comes back: silent past the window, the others heard from
+        clock.now += 20.0
+        for role, member_id in [("ps", 0), ("ps", 1), ("ps", 2), ("worker", 0)]:
+            second.heartbeat(role, member_id)
+        second.check_liveness()
+    assert second.state == JobState.FAILED and "worker 1" in second.status().message
 
 
 def test_the_journal_survives_compaction_and_a_finished_job_is_not_taken_back(tmp_path):

@@ -310,3 +310,32 @@ def test_a_member_that_loses_the_coordinator_exits_1_after_the_timeout(tmp_path,
         assert servicer.heartbeats
     finally:
         server.stop(0)
+
+
+def test_a_member_calls_a_returning_coordinator_within_seconds_of_its_return(tmp_path, notify):
+    """After 10 s of refused connections gRPC's default backoff would next try about 6 s later; a
+    restarted coordinator gives its members only the heartbeat timeout to reattach."""
+    first = ScriptedCoordinator(NO_STOP)
+    server = start_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, first)], [])
+    address = f"127.0.0.1:{server.port}"
+    member = make_member(member_args(address, tmp_path))
+    servers = [server]
+
+    def body(m: MemberProcess) -> int:
+        m.start_heartbeat(0, 0.1, stop_when_job_ends=True, coordinator_timeout_s=60)
+        deadline = time.monotonic() + WAIT_S
+        while not first.heartbeats and time.monotonic() < deadline:
+            m.stop.wait(0.01)
+        server.stop(0)
+        assert not m.stop.wait(10.0), "the member rides out the outage"
+        back = ScriptedCoordinator(FINISHED)
+        servers.append(start_server(address, [(pb_grpc.add_CoordinatorServicer_to_server, back)], []))
+        assert m.stop.wait(3.0), "heard the returned coordinator's FINISHED within seconds"
+        assert back.heartbeats
+        return 0
+
+    try:
+        assert member.run(body) == 0
+    finally:
+        for each in servers:
+            each.stop(0)

@@ -7,12 +7,12 @@ checkpoint step every slot's go up (``upload_slot_buffers``) and come back on re
 Heartbeats are the member skeleton's (``pstrain.runtime.member``), shared with the PS.
 
 A coordinator that dies mid-job is restarted and takes the job back from its journal; meanwhile
-the worker's calls fail with UNAVAILABLE. Data-shard requests and completions and step reports
-are therefore retried with backoff for up to ``patience_s`` (``fault.coordinator_timeout_s``): a
-report is idempotent on the coordinator, a completion retried after its reply was lost is
-refused as not held (NOT_FOUND) and so known done, and each data-shard request carries a
-number (``request_seq``) that a retry repeats, so a reply lost with the old coordinator gets the
-same data shard again, never the next one.
+the worker's calls fail with UNAVAILABLE (or CANCELLED, see ``RETRIED``). Data-shard requests and
+completions and step reports are therefore retried with backoff for up to ``patience_s``
+(``fault.coordinator_timeout_s``): a report is idempotent on the coordinator, a completion
+retried after its reply was lost is refused as not held (NOT_FOUND) and so known done, and each
+data-shard request carries a number (``request_seq``) that a retry repeats, so a reply lost with
+the old coordinator gets the same data shard again, never the next one.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-"""The coordinator is away (restarting) or did not answer in time: the call is repeated."""
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+"""The coordinator is away (restarting) or did not answer in time: the call is repeated. CANCELLED
+too: the worker never cancels these calls itself, and a call that reaches a coordinator as it stops
+(SIGTERM, ``systemctl restart``) is cancelled by the server instead of refused as UNAVAILABLE."""
 
 
 class CoordinatorLink:
@@ -54,7 +56,7 @@ class CoordinatorLink:
         self._seq = 0
 
     def _retrying(self, what: str, call: Callable[[], T], retried_ok: grpc.StatusCode | None = None) -> T | None:
-        """``call`` again after UNAVAILABLE or DEADLINE_EXCEEDED, with backoff, for up to ``patience_s``;
+        """``call`` again after a ``RETRIED`` code, with backoff, for up to ``patience_s``;
         a retry refused with ``retried_ok`` means an earlier try was taken (returns None)."""
         deadline = time.monotonic() + self.patience_s
         delay = 0.2
