@@ -289,7 +289,8 @@ class Membership:
 
     def restart_clocks(self) -> None:
         """Every member heard from now, as ``restore`` does: the restarted coordinator answers only from
-        here, and a member cannot reattach while it starts its server (seconds on a loaded host)."""
+        here, and no member can reattach while the coordinator loads the job and starts its server
+        (seconds on a loaded host)."""
         now = self._clock()
         for member in self.members():
             member.last_seen = now
