@@ -18,9 +18,11 @@ On one small host the attacker's own CPU is taken from training. So each attack 
 clients (``--clients``): gRPC's Python client (``Paced``), which spends about as much CPU per call
 as the server spends refusing it, and pre-encoded HTTP/2 frames (``bench/h2_flood.py``), which
 spend almost none, as an attacker on another host would: that run shows what the services
-themselves give up.
+themselves give up. On a host with cores to spare, ``--job-cpus`` and ``--attacker-cpus`` pin the
+job and the attacker to disjoint cores: the attacker's CPU is then nobody else's, as from another host,
+and only the services' own cost of answering it is taken from training.
 
-    python bench/abuse.py [--phase-s 10] [--rates 1000,100] [--clients raw,grpc]
+    python bench/abuse.py [--phase-s 10] [--rates 1000,100] [--clients raw,grpc] [--job-cpus 0-11 --attacker-cpus 12-15]
 """
 
 from __future__ import annotations
@@ -109,12 +111,31 @@ class Cluster:
         return float("nan")
 
 
-def start_cluster(tmp: Path) -> Cluster:
+def parse_cpus(spec: str) -> set[int]:
+    """A CPU list as taskset writes it ("0-11,14") -> {0, ..., 11, 14}; each CPU must be one this process may use."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"{spec!r}: {part!r} is not a CPU number or range such as 0-11")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"{spec!r} names no CPU")
+    if missing := cpus - os.sched_getaffinity(0):
+        raise ValueError(f"{spec!r}: CPUs {sorted(missing)} are not available here ({len(os.sched_getaffinity(0))})")
+    return cpus
+
+
+def start_cluster(tmp: Path, cpus: set[int] | None = None) -> Cluster:
+    """Starts the job (its processes pinned to ``cpus``: children inherit the launcher's affinity)."""
     job = write_job(tmp / "job.yaml")
     out = tmp / "out"
     marker = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "pstrain.launcher.cli", "local", "--config", str(job), "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=child_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin
+    )
     cluster = Cluster(proc, marker, out, "", [], [])
     try:
         wait_for(lambda: cluster.steps() >= 5 or proc.poll() is not None, 180, "training to start")
@@ -503,15 +524,29 @@ def main(argv: list[str] | None = None) -> int:
         "attacker CPU, as from another host) and grpc (gRPC's Python client)",
     )
     p.add_argument("--only", default="", help="run only the attacks whose name contains this")
+    p.add_argument("--job-cpus", default="", help="CPUs the job's processes are pinned to (taskset's list: 0-11)")
+    p.add_argument("--attacker-cpus", default="", help="CPUs the attacker is pinned to, disjoint from --job-cpus")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "abuse.md"))
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     clients = args.clients.split(",")
     if not set(clients) <= {"raw", "grpc"}:
         p.error(f"--clients: {args.clients!r}: each must be raw or grpc")
+    if bool(args.job_cpus) != bool(args.attacker_cpus):
+        p.error("--job-cpus and --attacker-cpus go together")
+    job_cpus = attacker_cpus = None
+    if args.job_cpus:
+        try:
+            job_cpus, attacker_cpus = parse_cpus(args.job_cpus), parse_cpus(args.attacker_cpus)
+        except ValueError as exc:
+            p.error(str(exc))
+        if job_cpus & attacker_cpus:
+            p.error(f"--job-cpus and --attacker-cpus share CPUs {sorted(job_cpus & attacker_cpus)}")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="abuse-") as tmp:
-        cluster = start_cluster(Path(tmp))
+        cluster = start_cluster(Path(tmp), job_cpus)
+        if attacker_cpus is not None:  # this thread only; the attack threads it starts inherit it
+            os.sched_setaffinity(0, attacker_cpus)
         try:
             results = list(iter_results(cluster, rates, clients, args.phase_s, args.only))
             alive = cluster.proc.poll() is None
@@ -519,17 +554,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_local(cluster.proc, cluster.marker)
     load_after = os.getloadavg()
+    pinning = f" --job-cpus {args.job_cpus} --attacker-cpus {args.attacker_cpus}" if job_cpus else ""
+    where = (
+        f"The job runs on CPUs {args.job_cpus} and the attacker on CPUs {args.attacker_cpus} (pinned, as from another "
+        "host): the attacker's own CPU is not the job's. Its CPU is in"
+        if job_cpus
+        else "The attacker runs on the same cores: its CPU is in"
+    )
     lines = [
         "# Abuse benchmark (issue 8)",
         "",
-        f"`python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates} --clients {args.clients}` on "
-        f"{platform.node()}, "
+        f"`python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates} --clients {args.clients}{pinning}` "
+        f"on {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
         f"Load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (other work shared the machine).",
         "",
         "A `pstrain local` job (2 PS shards, 2 workers x 1 CPU device) trains while each attack runs from",
         f"127.0.0.1 for {args.phase_s:g} s; steps/s are measured in quiet phases just before and after it and during",
-        "it; the ratio is during / the mean of before and after. The attacker runs on the same cores: its CPU is in",
+        f"it; the ratio is during / the mean of before and after. {where}",
         "the note, with the load average at the end of the attack. With the raw HTTP/2 client",
         "(`bench/h2_flood.py`) the attacker spends a few per cent of a core, about what an attacker on another host",
         "costs this one; its answers are counted, and their codes come from one call in",

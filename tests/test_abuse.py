@@ -4,6 +4,7 @@ allocation, and a live job keeps training while it is flooded from 127.0.0.1."""
 from __future__ import annotations
 
 import math
+import os
 
 import grpc
 import pytest
@@ -136,3 +137,22 @@ def test_a_live_job_keeps_training_under_bounded_floods(tmp_path):
         stop_local(cluster.proc, cluster.marker)
     model = torch.load(cluster.out / "model.pt") if (cluster.out / "model.pt").exists() else None
     assert model is None or all(math.isfinite(float(t.sum())) for t in model.values())
+
+
+def test_the_benchmark_pins_the_job_to_the_cpus_it_is_given(tmp_path):
+    """``bench/abuse.py --job-cpus``: every process of the job runs on those CPUs (the attacker keeps the others)."""
+    from bench.abuse import parse_cpus, start_cluster
+    from tests.helpers import pids_with_marker, stop_local
+
+    assert parse_cpus("0") == {0}
+    for bad in ("", "x", "1-0", "0-", "99999"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+    one = {min(os.sched_getaffinity(0))}
+    cluster = start_cluster(tmp_path, one)
+    try:
+        pids = pids_with_marker(cluster.marker)
+        assert len(pids) >= 5  # the launcher, the coordinator, 2 shards, 2 workers
+        assert {frozenset(os.sched_getaffinity(pid)) for pid in pids} == {frozenset(one)}
+    finally:
+        stop_local(cluster.proc, cluster.marker)

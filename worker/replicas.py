@@ -50,6 +50,7 @@ class Replica:
     staging: torch.Tensor  # host buffer the gradients land in (the flat grads themselves on CPU)
     offload: SwapToHost | None = None  # swap-out of saved activations, per the job's memory plan
     param_offload: ParamOffload | None = None  # whole-layer offload: host buffers shared by the host's replicas
+    copy_stream: torch.cuda.Stream | None = None  # the per-bucket gradient copies (``stage_bucket``), made lazily
 
     @classmethod
     def build(
@@ -115,12 +116,21 @@ class Replica:
             self.flat_params[bucket.start : bucket.end].copy_(source[bucket.start : bucket.end], non_blocking=True)
 
     def stage_bucket(self, bucket: Bucket) -> object | None:
-        """Start the device->host copy of one bucket's gradient; a CUDA event marks its end (None on the CPU)."""
+        """Start the device->host copy of one bucket's gradient; a CUDA event marks its end (None on the CPU).
+
+        The copy runs on a side stream that first waits for the compute stream (the bucket's gradients are
+        complete there): on the compute stream itself, backward of the layers below would wait for each bucket
+        to cross PCIe. Nothing writes ``flat_grads`` again before ``backward`` synchronizes the device.
+        """
         if self.staging is self.flat_grads:
             return None
-        self.staging[bucket.start : bucket.end].copy_(self.flat_grads[bucket.start : bucket.end], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(self.device)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.staging[bucket.start : bucket.end].copy_(self.flat_grads[bucket.start : bucket.end], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
         return event
 
 
