@@ -126,16 +126,49 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
+def format_cpus(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5" (taskset's list)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@contextlib.contextmanager
+def thread_pinned(cpus: set[int] | None) -> Iterator[None]:
+    """This thread on ``cpus`` for a while: a process it starts meanwhile inherits them (no ``preexec_fn``,
+    which is unsafe in a process with threads, such as gRPC's)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def process_cpus(pids: list[int]) -> set[frozenset[int]]:
+    """The distinct CPU sets of ``pids`` (those still alive)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found.add(frozenset(os.sched_getaffinity(pid)))
+    return found
+
+
 def start_cluster(tmp: Path, cpus: set[int] | None = None) -> Cluster:
-    """Starts the job (its processes pinned to ``cpus``: children inherit the launcher's affinity)."""
+    """Starts the job, its processes on ``cpus`` (they inherit the launcher's affinity)."""
     job = write_job(tmp / "job.yaml")
     out = tmp / "out"
     marker = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "pstrain.launcher.cli", "local", "--config", str(job), "--out", str(out)]
-    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=child_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin
-    )
+    with thread_pinned(cpus):
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     cluster = Cluster(proc, marker, out, "", [], [])
     try:
         wait_for(lambda: cluster.steps() >= 5 or proc.poll() is not None, 180, "training to start")
@@ -542,32 +575,40 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(exc))
         if job_cpus & attacker_cpus:
             p.error(f"--job-cpus and --attacker-cpus share CPUs {sorted(job_cpus & attacker_cpus)}")
+    if attacker_cpus is not None:  # every thread there is (torch starts one at import); later ones inherit it
+        for task in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(task), attacker_cpus)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="abuse-") as tmp:
         cluster = start_cluster(Path(tmp), job_cpus)
-        if attacker_cpus is not None:  # this thread only; the attack threads it starts inherit it
-            os.sched_setaffinity(0, attacker_cpus)
         try:
+            job_sets = process_cpus(pids_with_marker(cluster.marker))
             results = list(iter_results(cluster, rates, clients, args.phase_s, args.only))
             alive = cluster.proc.poll() is None
             final_steps = cluster.steps()
+            attacker_sets = process_cpus([int(t) for t in os.listdir("/proc/self/task")])
         finally:
             stop_local(cluster.proc, cluster.marker)
     load_after = os.getloadavg()
+    threads = "".join(f"{k}={os.environ[k]} " for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ)
     pinning = f" --job-cpus {args.job_cpus} --attacker-cpus {args.attacker_cpus}" if job_cpus else ""
+    seen = (
+        f"CPUs of the job's processes: {', '.join(sorted(format_cpus(set(c)) for c in job_sets))}; of the attacker's "
+        f"threads at the end: {', '.join(sorted(format_cpus(set(c)) for c in attacker_sets))}."
+    )
     where = (
         f"The job runs on CPUs {args.job_cpus} and the attacker on CPUs {args.attacker_cpus} (pinned, as from another "
-        "host): the attacker's own CPU is not the job's. Its CPU is in"
+        f"host: the attacker's own CPU is not the job's; {seen}) Its CPU is in"
         if job_cpus
-        else "The attacker runs on the same cores: its CPU is in"
+        else f"The attacker runs on the same cores ({seen}) Its CPU is in"
     )
     lines = [
         "# Abuse benchmark (issue 8)",
         "",
-        f"`python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates} --clients {args.clients}{pinning}` "
-        f"on {platform.node()}, {platform.processor() or platform.machine()}, "
+        f"`{threads}python bench/abuse.py --phase-s {args.phase_s:g} --rates {args.rates} --clients {args.clients}"
+        f"{pinning}` on {platform.node()}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
-        f"Load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (other work shared the machine).",
+        f"Load average before {load_before[0]:.1f}, after {load_after[0]:.1f}.",
         "",
         "A `pstrain local` job (2 PS shards, 2 workers x 1 CPU device) trains while each attack runs from",
         f"127.0.0.1 for {args.phase_s:g} s; steps/s are measured in quiet phases just before and after it and during",

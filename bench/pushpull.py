@@ -374,7 +374,7 @@ def main() -> int:
         "# Push+pull throughput (bench/pushpull.py)",
         "",
         f"Run {when} on {platform.machine()} with {os.cpu_count()} cores (load average {load_start:.1f} at the "
-        f"start, {load:.1f} at the end: other sessions share the cores), "
+        f"start, {load:.1f} at the end), "
         f"Python {platform.python_version()}, "
         f"torch {torch.__version__}, grpcio {grpc.__version__}. Model: {args.params:,} float32 parameters "
         f"({nbytes / MB:.0f} MB), one worker, {args.steps} timed steps after 2 warm-up steps (median). "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -16,7 +18,7 @@ from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks
 from pstrain.runtime.admission import Overloaded, PullAdmission, PullLimits, checked_tensor_stream
 from pstrain.runtime.identity import HEADER, MemberKeys
 from pstrain.runtime.transport import open_channel
-from tests.helpers import guarded_shard
+from tests.helpers import REPO_ROOT, guarded_shard
 
 NUMEL = 4
 DEADLINE_S = 30.0
@@ -139,20 +141,22 @@ def test_a_live_job_keeps_training_under_bounded_floods(tmp_path):
     assert model is None or all(math.isfinite(float(t.sum())) for t in model.values())
 
 
-def test_the_benchmark_pins_the_job_to_the_cpus_it_is_given(tmp_path):
-    """``bench/abuse.py --job-cpus``: every process of the job runs on those CPUs (the attacker keeps the others)."""
-    from bench.abuse import parse_cpus, start_cluster
-    from tests.helpers import pids_with_marker, stop_local
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one for the job, one for the attacker")
+def test_the_benchmark_keeps_the_job_and_the_attacker_on_their_own_cpus(tmp_path):
+    """``bench/abuse.py --job-cpus A --attacker-cpus B``: every process of the job runs on A, and every thread of the
+    attacker's process on B, gRPC's own threads included (they carry the gRPC client's I/O)."""
+    from bench.abuse import format_cpus, parse_cpus
 
-    assert parse_cpus("0") == {0}
+    assert parse_cpus("0") == {0} and format_cpus({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
     for bad in ("", "x", "1-0", "0-", "99999"):
         with pytest.raises(ValueError):
             parse_cpus(bad)
-    one = {min(os.sched_getaffinity(0))}
-    cluster = start_cluster(tmp_path, one)
-    try:
-        pids = pids_with_marker(cluster.marker)
-        assert len(pids) >= 5  # the launcher, the coordinator, 2 shards, 2 workers
-        assert {frozenset(os.sched_getaffinity(pid)) for pid in pids} == {frozenset(one)}
-    finally:
-        stop_local(cluster.proc, cluster.marker)
+    job, attacker = sorted(os.sched_getaffinity(0))[:2]
+    out = tmp_path / "abuse.md"
+    cmd = [sys.executable, "bench/abuse.py", "--phase-s", "0.5", "--rates", "50", "--clients", "raw"]
+    cmd += ["--only", "GetJobStatus", "--job-cpus", str(job), "--attacker-cpus", str(attacker), "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    assert f"CPUs of the job's processes: {job}; of the attacker's threads at the end: {attacker}." in text, text
+    assert "| GetJobStatus at 50/s, raw HTTP/2 | OK" in text

@@ -13,6 +13,9 @@ import uuid
 import pytest
 import torch
 
+from pstrain.runtime.buckets import plan_buckets
+from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.shard_map import shard_ranges
 from tests.helpers import (
     REPO_ROOT,
     child_env,
@@ -30,10 +33,13 @@ WORKERS, DEVICES, SHARDS, PER_DEVICE = 2, 2, 3, 4
 GLOBAL = WORKERS * DEVICES * PER_DEVICE
 
 
-def reference(optimizer_cls, lr_at, seed=3, **kwargs):
+def reference(optimizer_cls, lr_at, seed=3, shape=None, **kwargs):
+    """torch.optim on the global batch; ``shape``: ``odd_mlp``'s inputs/hidden/classes (the data follows it)."""
+    shape = shape or {}
     torch.manual_seed(seed)
-    model = odd_mlp()
-    x, y = classification_set(GLOBAL).tensors
+    model = odd_mlp(**shape)
+    data = {k: v for k, v in shape.items() if k in ("inputs", "classes")}
+    x, y = classification_set(GLOBAL, **data).tensors
     opt = optimizer_cls(model.parameters(), lr=lr_at(0), **kwargs)
     for step in range(STEPS):
         for group in opt.param_groups:
@@ -185,6 +191,43 @@ def test_cuda_workers_train_as_torch_optim(tmp_path, devices, memory):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cuda:0" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
     expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * len(devices), momentum=0.9)
+    assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)
+    assert not pids_with_marker(marker)
+
+
+WIDE = {"inputs": 32, "hidden": 64, "classes": 10}  # 2,762 parameters (11 KiB): several 4 KiB buckets
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [
+        ["cpu", "cpu"],
+        pytest.param(
+            ["cuda:0", "cuda:0"], marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+    ids=["cpu-stand-ins", "two-replicas-on-one-gpu"],
+)
+def test_gradients_in_several_buckets_train_as_torch_optim(tmp_path, devices):
+    """Several buckets per step, so a bucket leaves while backward still runs the layers below it: on a GPU its
+    device-to-host copy runs on a side stream beside that backward (``Replica.stage_bucket``); same result."""
+    layout = ParamLayout.of(odd_mlp(**WIDE))
+    assert len(plan_buckets(layout, shard_ranges(layout.total, SHARDS), 4096).buckets) >= 2
+    data = {k: v for k, v in WIDE.items() if k in ("inputs", "classes")}
+    job = write_job(
+        tmp_path / "job.yaml",
+        model={"factory": "tests.helpers:odd_mlp", "kwargs": WIDE},
+        data={"factory": "tests.helpers:classification_set", "kwargs": {"n": GLOBAL, **data}, "shard_size": 8},
+        optimizer=SGD_MOMENTUM,
+        batch={"per_device": GLOBAL // (WORKERS * len(devices)), "lr_scaling": "linear"},
+        job={"steps": STEPS, "seed": 3},
+        cluster={"ps_shards": SHARDS, "workers": WORKERS, "devices_per_worker": devices},
+        transport={"heartbeat_s": 0.5, "heartbeat_timeout_s": 30.0, "bucket_bytes": 4096},
+    )
+    marker = uuid.uuid4().hex
+    result = run_local(job, tmp_path / "out", marker, gpus=devices[0].startswith("cuda"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * len(devices), shape=WIDE, momentum=0.9)
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)
     assert not pids_with_marker(marker)
 

@@ -120,7 +120,9 @@ class Replica:
 
         The copy runs on a side stream that first waits for the compute stream (the bucket's gradients are
         complete there): on the compute stream itself, backward of the layers below would wait for each bucket
-        to cross PCIe. Nothing writes ``flat_grads`` again before ``backward`` synchronizes the device.
+        to cross PCIe. Nothing writes ``flat_grads`` again before ``backward`` synchronizes the device, and
+        ``staging`` is read only after the event (the sender) or that synchronization (``sum_gradients``).
+        Both buffers live as long as the replica, so the caching allocator needs no ``record_stream``.
         """
         if self.staging is self.flat_grads:
             return None
