@@ -139,10 +139,10 @@ def child_env(marker: str, gpus: bool = False) -> dict[str, str]:
     return env
 
 
-def pids_with_marker(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker`` (children inherit it)."""
+def pids_with_marker(marker: str, variable: str = "PSTRAIN_TEST_MARKER") -> list[int]:
+    """Live processes whose environment carries ``variable=marker`` (children inherit it)."""
     found = []
-    needle = f"PSTRAIN_TEST_MARKER={marker}".encode()
+    needle = f"{variable}={marker}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue

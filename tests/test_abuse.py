@@ -3,10 +3,13 @@ allocation, and a live job keeps training while it is flooded from 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import uuid
 
 import grpc
 import pytest
@@ -18,7 +21,7 @@ from pstrain.protos.codec import CodecError, decode_named_tensors, encode_chunks
 from pstrain.runtime.admission import Overloaded, PullAdmission, PullLimits, checked_tensor_stream
 from pstrain.runtime.identity import HEADER, MemberKeys
 from pstrain.runtime.transport import open_channel
-from tests.helpers import REPO_ROOT, guarded_shard
+from tests.helpers import REPO_ROOT, guarded_shard, pids_with_marker
 
 NUMEL = 4
 DEADLINE_S = 30.0
@@ -155,8 +158,19 @@ def test_the_benchmark_keeps_the_job_and_the_attacker_on_their_own_cpus(tmp_path
     out = tmp_path / "abuse.md"
     cmd = [sys.executable, "bench/abuse.py", "--phase-s", "0.5", "--rates", "50", "--clients", "raw"]
     cmd += ["--only", "GetJobStatus", "--job-cpus", str(job), "--attacker-cpus", str(attacker), "--out", str(out)]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    # The bench gives its job a marker of its own; this one, inherited by the bench and everything it starts,
+    # finds whatever a killed bench would leave behind.
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "PSTRAIN_BENCH_RUN": marker}
+    try:
+        result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        left = pids_with_marker(marker, "PSTRAIN_BENCH_RUN")  # the bench stops its job before it exits
+    finally:
+        for pid in pids_with_marker(marker, "PSTRAIN_BENCH_RUN"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not left, left
     text = out.read_text()
     assert f"CPUs of the job's processes: {job}; of the attacker's threads at the end: {attacker}." in text, text
     assert "| GetJobStatus at 50/s, raw HTTP/2 | OK" in text
