@@ -284,8 +284,8 @@ class Membership:
         self._ps, self._workers = {}, {}
         for fields in members:
             member = Member(**{k: fields[k] for k in self._KEPT if k in fields}, last_seen=now)
-            member.failed_at = now
             (self._ps if member.role == "ps" else self._workers)[member.id] = member
+        self.restart_clocks()
 
     def restart_clocks(self) -> None:
         """Every member heard from now, as ``restore`` does: the restarted coordinator answers only from
