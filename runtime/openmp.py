@@ -1,0 +1,35 @@
+"""OpenMP's wait policy for pstrain's processes: passive, unless the operator set one.
+
+torch's CPU kernels run on an OpenMP thread pool (libgomp in the Linux wheels). By default each
+of its threads spins for a while after every parallel region, betting that the next one follows
+at once: right for one process that owns the machine and computes back to back, wrong for a
+pstrain host. There a worker and one or more shards run side by side, and each makes short CPU
+passes (a bucket's host copy, a piece's sum and update, a publishing copy) between waits on the
+network: every pass leaves a pool of spinning threads that take the cores the other processes
+need next. On a 16-core GPU host with one worker and two shards, the default spin cost the shards
+118 ms of CPU per 20 ms step and the MLP-64 step read 19.7 ms; passive waits: 26.5 ms of CPU and
+12.5 ms (``bench/results/step_cuda.md``).
+
+The policy is read once, when torch loads the OpenMP library, so the services' entry points
+(``python -m pstrain.<service>`` and the ``pstrain-*`` console scripts) set it before anything
+imports torch. An operator who wants spinning back sets ``OMP_WAIT_POLICY=ACTIVE`` (or the unit's
+``Environment=``): a value already in the environment is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+VARIABLE = "OMP_WAIT_POLICY"
+PASSIVE = "PASSIVE"
+
+
+def prefer_passive_waits() -> bool:
+    """Make OpenMP's threads sleep when idle unless the environment says otherwise.
+
+    Returns False when torch is already imported: the OpenMP library has read the policy, and
+    this process keeps the one it started with.
+    """
+    os.environ.setdefault(VARIABLE, PASSIVE)
+    return "torch" not in sys.modules
