@@ -7,8 +7,8 @@ pstrain host. There a worker and one or more shards run side by side, and each m
 passes (a bucket's host copy, a piece's sum and update, a publishing copy) between waits on the
 network: every pass leaves a pool of spinning threads that take the cores the other processes
 need next. On a 16-core GPU host with one worker and two shards, the default spin cost the shards
-118 ms of CPU per 20 ms step and the MLP-64 step read 19.7 ms; passive waits: 26.5 ms of CPU and
-12.5 ms (``bench/results/step_cuda.md``).
+110-119 ms of CPU per 20 ms step; with ``OMP_WAIT_POLICY=PASSIVE`` in every process's environment,
+27-32 ms, and the MLP-64 step fell from 19.7 to 12.5-13.3 ms (``bench/results/step_cuda.md``).
 
 The policy is read once, when torch loads the OpenMP library, so the services' entry points
 (``python -m pstrain.<service>`` and the ``pstrain-*`` console scripts) set it before anything

@@ -144,6 +144,39 @@ def test_cuda_replicas_sum_through_pinned_host_memory():
     torch.testing.assert_close(replicas.sum_gradients() / count, expected, rtol=1e-4, atol=1e-6)
 
 
+class BatchedReads(torch.utils.data.Dataset):
+    """A dataset with ``__getitems__``, torch's batched fetch, that counts how it is read."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+        self.batched: list[list[int]] = []
+        self.single = 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        self.single += 1
+        return self.data[index]
+
+    def __getitems__(self, indices: list[int]):
+        self.batched.append(list(indices))
+        return [self.data[i] for i in indices]
+
+
+def test_a_dataset_with_getitems_is_fetched_one_batch_per_call_as_the_dataloader_does():
+    data = classification_set(16)
+    dataset = BatchedReads(data)
+    feed = DataFeed(dataset, ListSource([(0, [5, 1, 9]), (1, [2, 7])]))
+    x, y = feed.next_batch(4)  # spans both shards
+    assert dataset.batched == [[5, 1, 9, 2]] and dataset.single == 0
+    expected = next(iter(torch.utils.data.DataLoader(data, batch_size=4, sampler=[5, 1, 9, 2])))
+    assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+    plain = DataFeed(data, ListSource([(0, [5, 1, 9, 2])]))
+    px, py = plain.next_batch(4)
+    assert torch.equal(px, x) and torch.equal(py, y), "a batched fetch makes the same batch"
+
+
 def test_peeking_reports_nothing_done_and_consumes_nothing():
     source = ListSource([(0, [0, 1]), (1, [2, 3, 4])])
     feed = DataFeed(classification_set(16), source)

@@ -62,7 +62,12 @@ class DataFeed:
         return self._collate(self.next_indices(count))
 
     def _collate(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = default_collate([self.dataset[i] for i in indices])
+        """One batch, fetched as torch's ``DataLoader`` fetches it: a dataset with ``__getitems__`` (``Subset``,
+        Hugging Face datasets, a user's batched reader) gets the whole index list in one call, any other is
+        indexed sample by sample; either way ``default_collate`` makes the batch."""
+        fetch = getattr(self.dataset, "__getitems__", None)
+        samples = fetch(indices) if fetch else [self.dataset[i] for i in indices]
+        batch = default_collate(samples)
         return batch[0], batch[1]
 
     def commit(self) -> None:
