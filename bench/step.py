@@ -532,6 +532,12 @@ class Row:
         return f"DDP {ddp} ms; pstrain {ps} ms"
 
 
+def _wait_policy() -> str:
+    """What this run's OpenMP pools did when idle: the bench passes its environment to both systems."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return f"`{policy}`" if policy else "unset (libgomp's default: spin a while, then sleep)"
+
+
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -704,6 +710,8 @@ def write_cuda_results(
 - DDP: `DistributedDataParallel` over NCCL, {gpus} rank(s), one GPU each (with one GPU: plain local
   training), a pinned `DataLoader` with a `DistributedSampler`; torch's default threads; SGD on the GPU.
   A step ends with `torch.cuda.synchronize()`.
+- OpenMP wait policy (`OMP_WAIT_POLICY` in the bench's environment): {_wait_policy()} for DDP's ranks; pstrain's
+  services start with `PASSIVE` unless that variable is set (`runtime/openmp.py`).
 - pstrain: a real local cluster on 127.0.0.1, **one worker driving all {gpus} GPU(s)** (the design's layout: the
   host sums its GPUs' gradients in pinned host memory, S2) and **{args.ps_shards} CPU PS shard process(es)**
   that run the SGD update (each with the shard's own intra-op threads); buckets: {buckets}; checkpoints off.
