@@ -155,11 +155,11 @@ class BatchedReads(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         self.single += 1
         return self.data[index]
 
-    def __getitems__(self, indices: list[int]):
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, ...]]:
         self.batched.append(list(indices))
         return [self.data[i] for i in indices]
 

@@ -62,9 +62,9 @@ class DataFeed:
         return self._collate(self.next_indices(count))
 
     def _collate(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch, fetched as torch's ``DataLoader`` fetches it: a dataset with ``__getitems__`` (``Subset``,
-        Hugging Face datasets, a user's batched reader) gets the whole index list in one call, any other is
-        indexed sample by sample; either way ``default_collate`` makes the batch."""
+        """One batch, fetched as torch's ``DataLoader`` fetches it: a dataset with ``__getitems__`` (``Subset``, a
+        user's batched reader) gets the whole index list in one call, any other is indexed sample by sample; either
+        way the samples are ``(input, target)`` pairs and ``default_collate`` makes the batch."""
         fetch = getattr(self.dataset, "__getitems__", None)
         samples = fetch(indices) if fetch else [self.dataset[i] for i in indices]
         batch = default_collate(samples)
