@@ -49,23 +49,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pstrain.protos import pstrain_pb2 as pb  # noqa: E402
+from pstrain.ps_server.pieces import PiecedShard  # noqa: E402
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server  # noqa: E402
 from pstrain.ps_server.shard import ParameterShard  # noqa: E402
+from pstrain.runtime.buckets import shard_pieces  # noqa: E402
+from pstrain.runtime.layout import ParamLayout  # noqa: E402
 from pstrain.runtime.ps_client import PsClient  # noqa: E402
-from pstrain.runtime.shard_map import shard_ranges  # noqa: E402
+from pstrain.runtime.shard_map import ShardRange, shard_ranges  # noqa: E402
 from pstrain.runtime.transport import start_server  # noqa: E402
 
 MB = 1e6
 
 
-def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, conn) -> None:  # type: ignore[no-untyped-def]
+def model_pieces(total: int, shards: int, piece_bytes: int) -> list[ShardRange]:
+    """The pieces a job's buckets of ``piece_bytes`` cut the shards of a flat model into (as ``pstrain plan``)."""
+    per = max(1, piece_bytes // 4)
+    sizes = [min(per, total - start) for start in range(0, total, per)]
+    layout = ParamLayout.from_shapes([str(i) for i in range(len(sizes))], [[n] for n in sizes])
+    return [p for r in shard_ranges(total, shards) for p in shard_pieces(layout, r, piece_bytes)]
+
+
+def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, piece_bytes: int, conn) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     r = shard_ranges(total, shards)[shard_id]
     servicer = ParameterServerServicer()
     server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
-    shard = ParameterShard(
-        shard_id, r.start, r.end, torch.zeros(r.numel), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=0.01), 1
-    )
+    sgd, schedule = pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=0.01)
+    shard: ParameterShard | PiecedShard
+    if piece_bytes:
+        pieces = [p for p in model_pieces(total, shards, piece_bytes) if p.shard_id == shard_id]
+        shard = PiecedShard.build(pieces, torch.zeros(r.numel), sgd, schedule, 1)
+    else:
+        shard = ParameterShard(shard_id, r.start, r.end, torch.zeros(r.numel), sgd, schedule, 1)
     servicer.attach(shard, chunk_bytes)
     conn.send(server.port)
     conn.recv()  # block until the parent says stop
@@ -74,13 +89,25 @@ def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, conn) 
 
 
 def time_pushpull(
-    total: int, shards: int, chunk_bytes: int, steps: int, shared_memory: bool = False, bulk: bool = True
+    total: int,
+    shards: int,
+    chunk_bytes: int,
+    steps: int,
+    shared_memory: bool = False,
+    bulk: bool = True,
+    piece_bytes: int = 0,
 ) -> list[float]:
+    """Median-ready step times of one worker: the whole model pushed and pulled back, shard by shard, or (with
+    ``piece_bytes``) piece by piece as a training step moves it: every piece pushed in backward order, each one
+    pulled back as soon as it is acknowledged (``push_pull_pieces``), so a piece's update overlaps the next ones'
+    transfers."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
+    pieces = model_pieces(total, shards, piece_bytes)[::-1] if piece_bytes else []
     for shard_id in range(shards):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=serve_shard, args=(shard_id, total, shards, chunk_bytes, child), daemon=True)
+        args = (shard_id, total, shards, chunk_bytes, piece_bytes, child)
+        proc = ctx.Process(target=serve_shard, args=args, daemon=True)
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -100,13 +127,21 @@ def time_pushpull(
         times = []
         for step in range(steps + 2):  # two warm-up steps
             started = time.perf_counter()
-            client.push(grads, 0, step, 1).wait()
-            client.pull(step + 1, params)
+            if pieces:
+                pushed, pulled = client.push_pull_pieces(grads, pieces, 0, step, 1, params)
+                pushed.wait()
+                pulled.wait()
+            else:
+                client.push(grads, 0, step, 1).wait()
+                client.pull(step + 1, params)
             if step >= 2:
                 times.append(time.perf_counter() - started)
         counts = client.shared.counts
         if shared_memory and counts.streamed_bytes:
             raise RuntimeError(f"the shared-memory run streamed {counts.streamed_bytes} bytes")
+        pulls = (steps + 2) * (len(pieces) or shards)
+        if shared_memory and counts.board_pulls != pulls:
+            raise RuntimeError(f"{counts.board_pulls} of {pulls} pulls came off the shards' boards")
         if not shared_memory and bulk and (client.bulk._off or not any(client.bulk._idle.values())):
             raise RuntimeError("the bulk-socket run did not use bulk sockets")
         client.close()
@@ -293,6 +328,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--chunk-kib", default="256,512,1024,4096", help="chunk sizes to sweep for S=1 over gRPC")
     parser.add_argument("--default-chunk-kib", type=int, default=512)
+    parser.add_argument(
+        "--piece-mib", type=int, default=8, help="piece size of the rows that move the model as training does"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pushpull.md"))
     parser.add_argument(
         "--copies",
@@ -344,6 +382,15 @@ def main() -> int:
     shm2 = record(
         "pstrain push+pull S=2, shared memory", time_pushpull(args.params, 2, default * 1024, args.steps, True)
     )
+    piece_bytes = args.piece_mib << 20
+    p1 = record(
+        f"pstrain push+pull S=1, bulk sockets, {args.piece_mib} MiB pieces",
+        time_pushpull(args.params, 1, default * 1024, args.steps, piece_bytes=piece_bytes),
+    )
+    pshm1 = record(
+        f"pstrain push+pull S=1, shared memory, {args.piece_mib} MiB pieces",
+        time_pushpull(args.params, 1, default * 1024, args.steps, True, piece_bytes=piece_bytes),
+    )
 
     rows.append(
         (
@@ -362,6 +409,8 @@ def main() -> int:
         (f"pstrain gRPC stream S=2 (chunk {default} KiB) / raw TCP", g2 / tcp),
         ("pstrain shared memory S=1 / raw TCP", shm1 / tcp),
         ("pstrain shared memory S=2 / raw TCP", shm2 / tcp),
+        (f"pstrain remote (bulk sockets) S=1, {args.piece_mib} MiB pieces / raw TCP", p1 / tcp),
+        (f"pstrain shared memory S=1, {args.piece_mib} MiB pieces / raw TCP", pshm1 / tcp),
     ]
     print()
     for name, ratio in ratios:
@@ -415,8 +464,9 @@ def main() -> int:
         "",
         "| operation | copies |",
         "|---|---:|",
-        "| push (client: piece -> push region; the shard reads it in place into its accumulator) | 1 |",
-        "| pull (shard: published piece -> pull region; client: pull region -> destination) | 2 |",
+        "| push (client: tensor -> push region; the shard reads it in place: one worker's straight into its update, "
+        "else into its accumulator) | 1 |",
+        "| pull (client: the shard's published board -> destination) | 1 |",
         "",
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -219,7 +219,10 @@ class ShardDataPlane:
                 def call() -> PushResult:
                     grad = take()
                     recycle = adopted.append if grad is buf else None
-                    return shard.push(h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle)
+                    lent = bool(h.shm_nonce) and grad is not buf  # the worker's push region, until the ack
+                    return shard.push(
+                        h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle, lent=lent
+                    )
 
                 pushing = asyncio.get_running_loop().run_in_executor(None, call)
                 pushing.add_done_callback(self._moved_by(piece))
@@ -253,7 +256,8 @@ class ShardDataPlane:
             pair = regions.pair(h.worker_id, h.shm_nonce)
             where = regions.span(piece, h.numel)
             if h.dtype == pb.FLOAT32:  # read in place: the shard keeps nothing after the push
-                return shard.push(h.worker_id, h.step, regions.view(pair, where), h.device_count, piece_start=piece)
+                grad = regions.view(pair, where)  # lent until the ack: the worker writes it again only after that
+                return shard.push(h.worker_id, h.step, grad, h.device_count, piece_start=piece, lent=True)
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # bfloat16, widened in the region: narrowed back
             try:
                 grad = regions.take(pair, where, buf)
@@ -318,7 +322,8 @@ class ShardDataPlane:
 
     async def pull_shared(self, request: PullCall, admit: Admit, board: bool = False) -> tuple[int, int | None]:
         """Copy the piece (at ``min_version`` or newer) into the worker's pull region: (its version, None). With
-        ``board``, a piece whose version is on the published board is not copied: (version, its board slot)."""
+        ``board``, a piece whose version is on the published board is not copied: (version, its board slot); so is a
+        whole shard of one piece."""
         if request.shm_worker is None:
             raise InvalidArgument("a shared-memory pull names the caller's pull region (shm_worker, shm_nonce)")
         shard, piece = self.shard, request.piece
@@ -327,8 +332,11 @@ class ShardDataPlane:
         where = self.regions.span(piece, source.numel)
         with admit() as wait_s:
             await self._marks_of(piece, source).get(request.min_version, wait_s)
-        if board and piece is not None:
-            found = shard.board_slot(piece, request.min_version)
+        on_board = (
+            piece if piece is not None or len(shard.pieces) != 1 else shard.pieces[0].start
+        )  # one piece: the shard
+        if board and on_board is not None:
+            found = shard.board_slot(on_board, request.min_version)
             if found is not None:  # the worker copies it out of the board itself (and checks the stamp)
                 metrics.BYTES_PULLED.inc(source.numel * 4)
                 return found

@@ -199,16 +199,18 @@ class PiecedShard:
         skip: bool = False,
         piece_start: int | None = None,
         recycle: Callable[[torch.Tensor], None] | None = None,
+        lent: bool = False,
     ) -> PushResult:
         """One worker's contribution to one piece (``piece_start``) or to all of them. ``recycle`` as in
         ``ParameterShard.push``, for a piece's push or a whole shard of one piece (a push to several pieces is cut
-        into views: none is adopted)."""
+        into views: none is adopted); ``lent`` as there, for every piece."""
         if piece_start is None and len(self.pieces) == 1 and grad is not None and grad.numel() == self.numel:
             piece_start = self.start
         if piece_start is not None:
             found = self._by_start.get(piece_start)
             numel = (found.numel if found is not None else 0) if grad is None else grad.numel()
-            return self.piece(piece_start, numel).push(worker_id, step, grad, device_count, skip=skip, recycle=recycle)
+            piece = self.piece(piece_start, numel)
+            return piece.push(worker_id, step, grad, device_count, skip=skip, recycle=recycle, lent=lent)
         numel = self.numel if grad is None else grad.numel()
         dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)
         duplicate = self.check_push(self.shard_id, worker_id, step, device_count, dtype, numel)
@@ -224,6 +226,7 @@ class PiecedShard:
                 None if grad is None else grad[p.start - self.start : p.end - self.start],
                 device_count,
                 skip=skip,
+                lent=lent,
             )
             for p in self.pieces
         ]

@@ -144,6 +144,9 @@ class ParameterShard:
         self._readers: dict[int, int] = {}  # id(published buffer) -> readers holding it
         self._board: PieceBoard | None = None  # issue 12: published into shared memory (``publish_on``)
         self._accum = torch.zeros_like(initial)
+        # The step's only contribution, lent by the caller for the push call that completes the step (``lent``):
+        # the update reads it where it lies instead of from a copy in the accumulator. Never set outside that call.
+        self._borrowed: torch.Tensor | None = None
         self._optimizer = build_optimizer(self._param, optimizer, learning_rate(schedule, version), layers)
         if optimizer_state is not None:
             self._optimizer.load_state_dict(optimizer_state)
@@ -245,6 +248,7 @@ class ParameterShard:
         device_count: int,
         skip: bool = False,
         recycle: Callable[[torch.Tensor], None] | None = None,
+        lent: bool = False,
     ) -> PushResult:
         """Count one worker's summed gradient for ``step``; the last one applies the update.
 
@@ -255,6 +259,12 @@ class ParameterShard:
         network). If it is the step's first contribution, the shard keeps it as its accumulator
         instead of copying it there (issue 12: one pass less over the shard per step) and hands
         the old accumulator, as large, to ``recycle``; the caller then owns that one, not ``grad``.
+
+        ``lent``: the caller lends ``grad`` until this call returns, to be read and written (a colocated worker's
+        push region: the worker writes it again only after the acknowledgement). When it is the step's only
+        contribution the update reads it in place instead of from a copy in the accumulator (issue 12: one pass
+        less over the shard per step for a job of one worker, a GPU host's sum, say); a fused step's division by
+        the device count then lands in it. Nothing refers to it once the call has returned.
         """
         numel = self.numel if grad is None else grad.numel()
         dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)
@@ -294,6 +304,9 @@ class ParameterShard:
                     spare, self._accum = self._accum, grad
                     self._has_sum = True
                     recycle(spare)
+                elif lent and self._lone_contribution(grad):
+                    self._borrowed = grad  # the update below reads it; ``_sum_in_order`` passes over it (not held)
+                    self._has_sum = True
                 elif second_first:
                     # Issue 12: the second worker in order arrived first. a + b == b + a exactly, so its
                     # contribution becomes the accumulator at once (no clone to hold it, no second pass);
@@ -306,7 +319,10 @@ class ParameterShard:
             if len(self._pending) < len(self._order):
                 return PushResult(self._version, duplicate=False, completed=False)
             started = time.perf_counter()
-            result, snapshot = self._finish_step()
+            try:
+                result, snapshot = self._finish_step()
+            finally:
+                self._borrowed = None  # the caller takes its buffer back when this call returns, whatever happened
         self._hand_over(snapshot, started, result.update_s)
         return result
 
@@ -459,6 +475,25 @@ class ParameterShard:
             and grad._base is None
         )
 
+    def _lone_contribution(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` (its worker just counted as pending) is the step's only contribution with a payload and
+        completes it (the lock held): nothing summed or held, every contributor in. Float32, the accumulator's shape.
+
+        Only for an update that reads the gradient once and at once (a fused kernel, which also divides as it reads):
+        a layer-wise one waits for its peers' norms between its passes, long enough for a worker whose call timed out
+        to write its region again, so it is given the accumulator's copy as before."""
+        accum, optimizer = self._accum, self._optimizer
+        return (
+            not isinstance(optimizer, LayerwiseOptimizer)
+            and all(group.get("fused") for group in optimizer.param_groups)
+            and not self._has_sum
+            and not self._held
+            and len(self._pending) == len(self._order)
+            and grad.dtype == accum.dtype
+            and grad.shape == accum.shape
+            and grad.device == accum.device
+        )
+
     def _second_first(self, worker_id: int) -> bool:
         """Whether ``worker_id`` is second in summing order and its contribution comes before anything was summed
         (the lock held): the first two of a sum commute exactly, later ones do not, so only this one is placed early."""
@@ -490,7 +525,8 @@ class ParameterShard:
         if skipped:
             self._skipped_steps += 1
         else:
-            self._param.grad = self._accum  # the device sum; the fused step divides as it reads (one pass)
+            # The device sum (lent: where the caller holds it); the fused step divides as it reads (one pass).
+            self._param.grad = self._accum if self._borrowed is None else self._borrowed
             for group in self._optimizer.param_groups:
                 group["lr"] = learning_rate(self._schedule, self._version)
             try:

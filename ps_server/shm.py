@@ -18,12 +18,14 @@ of a step is copied into the shard's accumulator, the next in order added to it,
 out of worker order cloned, unless it is the second in order: then it is copied into the accumulator
 at once), and the worker cannot write the piece again before the push is
 acknowledged, so a float32 push is read straight from the region (``view``): the worker's copy
-into the region is the only one before the accumulator. A bfloat16 push (``transport.push_dtype``;
+into the region is the only one before the accumulator. The region is *lent* for the call
+(``push(lent=True)``): where the push is the step's only contribution (a job of one worker) the
+update reads it in place and there is no accumulator copy at all. A bfloat16 push (``transport.push_dtype``;
 the region holds float32) is copied into a buffer of the pushed dtype (``take``). Pull: ``put``
 copies the published piece into the pull region: one copy; the worker then copies it into its
 destination. With the shard's published board (``runtime.shm_board``, one per shard, mapped read-only by
-every colocated worker) a piece's pull names the board slot that holds the version and the shard copies
-nothing: the worker copies it out of the board once.
+every colocated worker) a piece's pull (or a whole shard's, where the shard is one piece) names the board slot
+that holds the version and the shard copies nothing: the worker copies it out of the board once.
 """
 
 from __future__ import annotations

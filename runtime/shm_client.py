@@ -10,9 +10,10 @@ them off for that shard, and the call is streamed instead.
 
 Pushes for a worker other than the regions' own, and pulls before the first push, stream.
 
-A piece's pull asks the shard to name where the version lies on its published board (``runtime.shm_board``,
-mapped read-only next to the regions) and copies it from there, checking the board's stamp after the copy; a
-board that does not map, or a copy the stamp refuses, means the shard copies the piece into the pull region.
+A piece's pull (a whole shard's, where the board shows one piece) asks the shard to name where the version lies on
+its published board (``runtime.shm_board``, mapped read-only next to the regions) and copies it from there, checking
+the board's stamp after the copy; a board that does not map, or a copy the stamp refuses, means the shard copies the
+piece into the pull region.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import yaml
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset, TensorDataset
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -308,3 +309,16 @@ def guarded_shard(numel: int, workers: int, pulls: Any = None) -> Iterator[Guard
     finally:
         shard.close()
         server.stop(0)
+
+
+class FullCopies(TorchDispatchMode):
+    """Counts ``copy_`` calls that write ``numel`` elements: the passes over a shard that copy it."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.copy_.default and args[0].numel() == self.numel:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

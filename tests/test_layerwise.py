@@ -23,7 +23,7 @@ from pstrain.ps_server.layerwise import InProcessExchange, Layers, NormBoard, So
 from pstrain.ps_server.optimizer import build_optimizer
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime.layout import ParamLayout
-from tests.helpers import wait_for
+from tests.helpers import FullCopies, wait_for
 
 SHAPES = [(3, 4), (70,), (5, 3), (3,), (10,)]  # 110 elements; 3 shards [0,37) [37,74) [74,110): (70,) spans all 3
 SPECS = {
@@ -469,3 +469,22 @@ def test_only_this_jobs_ps_shards_may_post_norms():
         for p in [*forged.values(), real]:
             p.close()
         server.stop(0)
+
+
+def test_a_layerwise_shard_copies_a_lent_lone_contribution():
+    """Issue 12: a lent push (a worker's shared-memory region) that is the step's only contribution is read in place by
+    a fused update; a layer-wise update waits for its peers' norms between passes over the gradient, long enough for a
+    worker whose call timed out to write its region again, so it keeps the accumulator's copy: scribbling on the lent
+    buffer after the call still changes nothing."""
+    sizes = [6, 10]
+    initial = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(5))
+    lent_shard, reference = make_shards("lamb", initial, sizes, 1)[0], make_shards("lamb", initial, sizes, 1)[0]
+    for step in range(3):
+        g = grads(step, sum(sizes))
+        reference.push(0, step, g.clone(), DEVICES)
+        lent = g.clone()
+        with FullCopies(sum(sizes)) as copies:
+            lent_shard.push(0, step, lent, DEVICES, lent=True)
+        lent.fill_(float("nan"))
+        assert copies.count == 2  # into the accumulator, and publishing
+        assert torch.equal(lent_shard.parameters()[1], reference.parameters()[1])

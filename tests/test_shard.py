@@ -8,6 +8,7 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.shard import ParameterShard
+from tests.helpers import FullCopies
 
 SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)
 ADAM = pb.OptimizerSpec(name="adam", beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -287,6 +288,47 @@ def test_only_a_whole_float32_buffer_is_kept():
     bf16 = ParameterShard(1, 10, 15, torch.zeros(5), SGD, LR, 1, push_dtype=pb.BFLOAT16)
     bf16.push(0, 0, torch.ones(5, dtype=torch.bfloat16), 1, recycle=handed.append)  # widened into the accumulator
     assert len(handed) == 1 and bf16.version == 1
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd", "adam"])
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_lent_lone_contribution_is_read_where_it_lies_and_not_kept(optimizer, devices):
+    """Issue 12: a job of one worker lends its push (a shared-memory region) for the call; the update reads it in
+    place (one full copy per step, the publishing one, instead of two), with exactly the results of copying it, and
+    the shard keeps nothing of it: the lender may scribble on it as soon as the call returns."""
+    gen = torch.Generator().manual_seed(3)
+    reference, shard = make(optimizer, workers=1, numel=64), make(optimizer, workers=1, numel=64)
+    lent = torch.empty(64)
+    for step in range(4):
+        grad = torch.randn(64, generator=gen) * 5
+        reference.push(0, step, grad.clone(), devices)
+        lent.copy_(grad)
+        with FullCopies(64) as copies:
+            assert shard.push(0, step, lent, devices, lent=True).completed
+        assert copies.count == 1
+        lent.fill_(float("nan"))
+        assert torch.equal(shard.parameters()[1], reference.parameters()[1])
+    assert shard.push(0, 3, lent, devices, lent=True).duplicate  # a retry's buffer is not even read
+    ours, theirs = shard.checkpoint_state().optimizer["state"][0], reference.checkpoint_state().optimizer["state"][0]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)  # no NaN got in
+
+
+def test_a_lent_contribution_that_does_not_complete_the_step_is_copied():
+    """With two workers the first contribution outlives its push call: a lent one is copied (two full copies in its
+    step), so the lender overwriting it before the second worker pushes changes nothing."""
+    gen = torch.Generator().manual_seed(4)
+    reference, shard = make(workers=2, numel=64), make(workers=2, numel=64)
+    for step in range(3):
+        grads = [torch.randn(64, generator=gen) for _ in range(2)]
+        for worker in (0, 1):
+            reference.push(worker, step, grads[worker].clone(), 1)
+        with FullCopies(64) as copies:
+            for worker in (1, 0):
+                lent = grads[worker].clone()
+                shard.push(worker, step, lent, 1, lent=True)
+                lent.fill_(float("nan"))
+        assert copies.count == 2  # the first contribution into the accumulator, and publishing
+        assert torch.equal(shard.parameters()[1], reference.parameters()[1])
 
 
 def test_a_restored_shard_continues_exactly_like_the_original():

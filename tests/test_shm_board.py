@@ -23,15 +23,16 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.ps_server.shm import SharedRegions
 from pstrain.runtime import ps_client, shm_board
 from pstrain.runtime.ps_api import Cancelled
 from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.shard_map import shard_ranges
 from pstrain.runtime.shm_board import WRITING, Board
 from pstrain.runtime.shm_region import ShmError
-from pstrain.runtime.transport import open_channel
+from pstrain.runtime.transport import open_channel, start_server
 from tests.helpers import wait_for
 from tests.test_shm_path import TOTAL, WORKERS, Cluster, pieces_of, start_cluster, train
 
@@ -291,6 +292,45 @@ def test_a_board_pull_of_a_whole_shard_or_without_the_flag_is_copied(cluster: Cl
     whole.MergeFrom(base)
     assert not stub.PullShared(whole, timeout=10).HasField("board_slot")
     stub.CloseSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_lone_worker_moves_whole_shards_of_one_piece_through_the_board(devices: int) -> None:
+    """The layout of ``bench/pushpull.py``: one worker, shards of one piece, whole-shard pushes and pulls. Each pull
+    is copied straight out of the board, and each push is read where it lies in the worker's push region (the step's
+    only contribution; with two devices the fused step's division lands there): the results equal streaming's bit
+    for bit, and the pushes the worker makes next are not disturbed by what the shard left in its region."""
+    results = {}
+    for shared in (False, True):
+        servers, shards = [], []
+        try:
+            for r in shard_ranges(TOTAL, 2):
+                servicer = ParameterServerServicer()
+                server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
+                servers.append((server, servicer))
+                shard = ParameterShard(r.shard_id, r.start, r.end, torch.arange(r.numel) / r.numel, SGD, LR, 1)
+                servicer.attach(shard, 64)
+                shards.append(shard)
+            addresses = [f"127.0.0.1:{server.port}" for server, _ in servers]
+            client = PsClient(addresses, TOTAL, chunk_bytes=64, push_timeout_s=10, pull_timeout_s=10,
+                              shared_memory=shared)  # fmt: skip
+            params = torch.empty(TOTAL)
+            for step in range(3):
+                grad = torch.randn(TOTAL, generator=torch.Generator().manual_seed(step))
+                client.push(grad, 0, step, devices).wait()
+                assert client.pull(step + 1, params) == step + 1
+            counts = client.shared.counts
+            assert counts.board_pulls == (3 * 2 if shared else 0) and counts.board_retries == 0
+            assert counts.streamed_bytes == (0 if shared else 3 * 2 * TOTAL * 4)
+            client.close()
+            results[shared] = params
+        finally:
+            for shard in shards:
+                shard.close()
+            for server, servicer in servers:
+                server.stop(0)
+                servicer.close_shared_memory()
+    assert torch.equal(results[True], results[False])
 
 
 def _train_pushing_and_pulling(
