@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import grpc
@@ -69,7 +70,7 @@ def model_pieces(total: int, shards: int, piece_bytes: int) -> list[ShardRange]:
     return [p for r in shard_ranges(total, shards) for p in shard_pieces(layout, r, piece_bytes)]
 
 
-def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, piece_bytes: int, conn) -> None:  # type: ignore[no-untyped-def]
+def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, piece_bytes: int, conn: Connection) -> None:
     torch.set_num_threads(1)
     r = shard_ranges(total, shards)[shard_id]
     servicer = ParameterServerServicer()
@@ -340,6 +341,8 @@ def main() -> int:
     )
     parser.add_argument("--copy-probe", choices=list(PROBE_PHASES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.piece_mib < 1:
+        parser.error("--piece-mib must be at least 1 (the whole-shard rows are the others)")
     if args.copy_probe:
         copy_probe(args.copy_probe)
         return 0

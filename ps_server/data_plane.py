@@ -187,13 +187,14 @@ class ShardDataPlane:
             pushing: asyncio.Future[PushResult] | None = None
             receiving: asyncio.Future[torch.Tensor] | None = None
             adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
+            lent = False  # the payload is read where it lies in the worker's push region (``ParameterShard.push``)
             try:
                 take: Callable[[], torch.Tensor]
                 if h.shm_nonce:  # the piece is in the worker's push region: copied out in the shard's thread
                     pair, regions = self.regions.pair(h.worker_id, h.shm_nonce), self.regions
                     where = regions.span(piece, h.numel)
                     if buf.dtype == torch.float32:  # read in place: the shard keeps nothing after the push
-                        take = functools.partial(regions.view, pair, where)
+                        take, lent = functools.partial(regions.view, pair, where), True
                     else:
                         take = functools.partial(regions.take, pair, where, buf)
                     if await anext(payload, None) is not None:
@@ -219,7 +220,6 @@ class ShardDataPlane:
                 def call() -> PushResult:
                     grad = take()
                     recycle = adopted.append if grad is buf else None
-                    lent = bool(h.shm_nonce) and grad is not buf  # the worker's push region, until the ack
                     return shard.push(
                         h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle, lent=lent
                     )
@@ -256,7 +256,7 @@ class ShardDataPlane:
             pair = regions.pair(h.worker_id, h.shm_nonce)
             where = regions.span(piece, h.numel)
             if h.dtype == pb.FLOAT32:  # read in place: the shard keeps nothing after the push
-                grad = regions.view(pair, where)  # lent until the ack: the worker writes it again only after that
+                grad = regions.view(pair, where)  # lent for the call (``ParameterShard.push``)
                 return shard.push(h.worker_id, h.step, grad, h.device_count, piece_start=piece, lent=True)
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # bfloat16, widened in the region: narrowed back
             try:
@@ -332,11 +332,11 @@ class ShardDataPlane:
         where = self.regions.span(piece, source.numel)
         with admit() as wait_s:
             await self._marks_of(piece, source).get(request.min_version, wait_s)
-        on_board = (
-            piece if piece is not None or len(shard.pieces) != 1 else shard.pieces[0].start
-        )  # one piece: the shard
-        if board and on_board is not None:
-            found = shard.board_slot(on_board, request.min_version)
+        slot_piece = piece
+        if slot_piece is None and len(shard.pieces) == 1:  # a whole shard of one piece is that piece on the board
+            slot_piece = shard.pieces[0].start
+        if board and slot_piece is not None:
+            found = shard.board_slot(slot_piece, request.min_version)
             if found is not None:  # the worker copies it out of the board itself (and checks the stamp)
                 metrics.BYTES_PULLED.inc(source.numel * 4)
                 return found

@@ -261,10 +261,13 @@ class ParameterShard:
         the old accumulator, as large, to ``recycle``; the caller then owns that one, not ``grad``.
 
         ``lent``: the caller lends ``grad`` until this call returns, to be read and written (a colocated worker's
-        push region: the worker writes it again only after the acknowledgement). When it is the step's only
-        contribution the update reads it in place instead of from a copy in the accumulator (issue 12: one pass
-        less over the shard per step for a job of one worker, a GPU host's sum, say); a fused step's division by
-        the device count then lands in it. Nothing refers to it once the call has returned.
+        push region). When it is the step's only contribution the update reads it in place instead of from a copy
+        in the accumulator (issue 12: one pass less over the shard per step for a job of one worker, a GPU host's
+        sum, say); a fused step's division by the device count then lands in it. Nothing refers to it once the
+        call has returned. Why the region may be read that late: the worker writes a piece's span again only for
+        the next step, after pulling the version this update publishes, or to retry this push, with the same
+        values (a duplicate, acknowledged unread); a fused kernel reads each element once, so even then it never
+        mixes two gradients (``_lone_contribution``).
         """
         numel = self.numel if grad is None else grad.numel()
         dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)
@@ -292,39 +295,49 @@ class ParameterShard:
                 return PushResult(self._version, duplicate=True, completed=False)
             self._pending[worker_id] = device_count
             self._last_step[worker_id] = step
-            if skip or grad is None:
-                self._skip_step = True
-                self._held[worker_id] = self._accum[:0]  # an empty placeholder: nothing to add
-            else:
-                in_turn = self._summed < len(self._order) and worker_id == self._order[self._summed]
-                second_first = self._second_first(worker_id)
-                if recycle is not None and not self._has_sum and (in_turn or second_first) and self._adoptable(grad):
-                    # The step's first contribution: the buffer becomes the accumulator; ``_sum_in_order`` passes
-                    # over it (pending, not held), as over a second-first one.
-                    spare, self._accum = self._accum, grad
-                    self._has_sum = True
-                    recycle(spare)
-                elif lent and self._lone_contribution(grad):
-                    self._borrowed = grad  # the update below reads it; ``_sum_in_order`` passes over it (not held)
-                    self._has_sum = True
-                elif second_first:
-                    # Issue 12: the second worker in order arrived first. a + b == b + a exactly, so its
-                    # contribution becomes the accumulator at once (no clone to hold it, no second pass);
-                    # ``_sum_in_order`` passes over it when the first one is added.
-                    self._accum.copy_(grad)
-                    self._has_sum = True
-                else:
-                    self._held[worker_id] = grad if in_turn else grad.clone()
-            self._sum_in_order()
-            if len(self._pending) < len(self._order):
-                return PushResult(self._version, duplicate=False, completed=False)
-            started = time.perf_counter()
             try:
+                self._take(worker_id, None if skip else grad, recycle, lent)
+                self._sum_in_order()
+                if len(self._pending) < len(self._order):
+                    return PushResult(self._version, duplicate=False, completed=False)
+                started = time.perf_counter()
                 result, snapshot = self._finish_step()
             finally:
                 self._borrowed = None  # the caller takes its buffer back when this call returns, whatever happened
         self._hand_over(snapshot, started, result.update_s)
         return result
+
+    def _take(
+        self,
+        worker_id: int,
+        grad: torch.Tensor | None,
+        recycle: Callable[[torch.Tensor], None] | None,
+        lent: bool,
+    ) -> None:
+        """Place a counted contribution (the lock held; ``None``: a skip): see ``push`` and ``_sum_in_order``."""
+        if grad is None:
+            self._skip_step = True
+            self._held[worker_id] = self._accum[:0]  # an empty placeholder: nothing to add
+        else:
+            in_turn = self._summed < len(self._order) and worker_id == self._order[self._summed]
+            second_first = self._second_first(worker_id)
+            if recycle is not None and not self._has_sum and (in_turn or second_first) and self._adoptable(grad):
+                # The step's first contribution: the buffer becomes the accumulator; ``_sum_in_order`` passes
+                # over it (pending, not held), as over a second-first one.
+                spare, self._accum = self._accum, grad
+                self._has_sum = True
+                recycle(spare)
+            elif lent and self._lone_contribution(grad):
+                self._borrowed = grad  # read by the update before ``push`` returns; ``_sum_in_order`` passes over it
+                self._has_sum = True
+            elif second_first:
+                # Issue 12: the second worker in order arrived first. a + b == b + a exactly, so its
+                # contribution becomes the accumulator at once (no clone to hold it, no second pass);
+                # ``_sum_in_order`` passes over it when the first one is added.
+                self._accum.copy_(grad)
+                self._has_sum = True
+            else:
+                self._held[worker_id] = grad if in_turn else grad.clone()
 
     def _finish_step(self) -> tuple[PushResult, ShardState | None]:
         """Every contributor is in (the lock held): update, publish, and snapshot if a checkpoint is due."""
@@ -479,9 +492,9 @@ class ParameterShard:
         """Whether ``grad`` (its worker just counted as pending) is the step's only contribution with a payload and
         completes it (the lock held): nothing summed or held, every contributor in. Float32, the accumulator's shape.
 
-        Only for an update that reads the gradient once and at once (a fused kernel, which also divides as it reads):
-        a layer-wise one waits for its peers' norms between its passes, long enough for a worker whose call timed out
-        to write its region again, so it is given the accumulator's copy as before."""
+        Only for an update that reads the gradient in one pass (a fused kernel, which also divides as it reads): a
+        layer-wise one reads it in several, with its peers' norms awaited between them, and a region written again
+        meanwhile (a retried push) would be read twice with different contents; it is given the accumulator's copy."""
         accum, optimizer = self._accum, self._optimizer
         return (
             not isinstance(optimizer, LayerwiseOptimizer)

@@ -618,8 +618,8 @@ class PsClient:
         regions = self.shared.for_pull(r.shard_id)
         if regions is not None:
             # A whole shard is on the board where the shard is one piece (the shard names no slot otherwise).
-            on_board = regions.board is not None and (is_piece or regions.board.pieces == 1)
-            got = self._pull_shared(r, request, dest, regions, board=on_board)
+            ask_board = regions.board is not None and (is_piece or regions.board.pieces == 1)
+            got = self._pull_shared(r, request, dest, regions, board=ask_board)
             if got is not None:
                 return got
         bulk = self.bulk.checkout(r.shard_id, None) if dest.is_contiguous() else None

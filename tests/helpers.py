@@ -318,7 +318,13 @@ class FullCopies(TorchDispatchMode):
         super().__init__()
         self.numel, self.count = numel, 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if func is torch.ops.aten.copy_.default and args[0].numel() == self.numel:
             self.count += 1
         return func(*args, **(kwargs or {}))

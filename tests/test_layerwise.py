@@ -473,9 +473,8 @@ def test_only_this_jobs_ps_shards_may_post_norms():
 
 def test_a_layerwise_shard_copies_a_lent_lone_contribution():
     """Issue 12: a lent push (a worker's shared-memory region) that is the step's only contribution is read in place by
-    a fused update; a layer-wise update waits for its peers' norms between passes over the gradient, long enough for a
-    worker whose call timed out to write its region again, so it keeps the accumulator's copy: scribbling on the lent
-    buffer after the call still changes nothing."""
+    a fused update; a layer-wise update reads the gradient in several passes (with its peers' norms awaited between
+    them, where it has peers), so it takes the accumulator's copy as before, with the results of a push not lent."""
     sizes = [6, 10]
     initial = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(5))
     lent_shard, reference = make_shards("lamb", initial, sizes, 1)[0], make_shards("lamb", initial, sizes, 1)[0]

@@ -309,6 +309,10 @@ def test_a_lent_lone_contribution_is_read_where_it_lies_and_not_kept(optimizer, 
         lent.fill_(float("nan"))
         assert torch.equal(shard.parameters()[1], reference.parameters()[1])
     assert shard.push(0, 3, lent, devices, lent=True).duplicate  # a retry's buffer is not even read
+    grad = torch.randn(64, generator=gen)
+    reference.push(0, 4, grad.clone(), devices)
+    shard.push(0, 4, grad, devices)  # not lent: copied, and nothing of the NaN-filled buffer is read
+    assert torch.equal(shard.parameters()[1], reference.parameters()[1])
     ours, theirs = shard.checkpoint_state().optimizer["state"][0], reference.checkpoint_state().optimizer["state"][0]
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)  # no NaN got in
 

@@ -23,16 +23,17 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.ps_server.shm import SharedRegions
 from pstrain.runtime import ps_client, shm_board
 from pstrain.runtime.ps_api import Cancelled
 from pstrain.runtime.ps_client import PsClient
-from pstrain.runtime.shard_map import shard_ranges
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
 from pstrain.runtime.shm_board import WRITING, Board
 from pstrain.runtime.shm_region import ShmError
-from pstrain.runtime.transport import open_channel, start_server
+from pstrain.runtime.transport import ServingServer, open_channel, start_server
 from tests.helpers import wait_for
 from tests.test_shm_path import TOTAL, WORKERS, Cluster, pieces_of, start_cluster, train
 
@@ -295,20 +296,39 @@ def test_a_board_pull_of_a_whole_shard_or_without_the_flag_is_copied(cluster: Cl
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_a_lone_worker_moves_whole_shards_of_one_piece_through_the_board(devices: int) -> None:
-    """The layout of ``bench/pushpull.py``: one worker, shards of one piece, whole-shard pushes and pulls. Each pull
-    is copied straight out of the board, and each push is read where it lies in the worker's push region (the step's
-    only contribution; with two devices the fused step's division lands there): the results equal streaming's bit
-    for bit, and the pushes the worker makes next are not disturbed by what the shard left in its region."""
+@pytest.mark.parametrize("pieces", [1, 3], ids=["whole-shards", "pieces"])
+def test_a_lone_worker_is_read_in_place_and_pulls_off_the_board(
+    pieces: int, devices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker: every push is the step's only contribution, so the shard's update reads it where it lies in the
+    worker's push region (``lent``; with two devices the fused step's division lands there), through ``Push`` for a
+    whole shard and ``PushShared`` for a piece. Each pull is copied straight out of the board: a piece's, and a whole
+    shard's where the shard is one piece (the layout of ``bench/pushpull.py``). The results equal streaming's bit for
+    bit."""
+    lone: list[bool] = []
+    real = ParameterShard._lone_contribution
+
+    def seen(self: ParameterShard, grad: torch.Tensor) -> bool:
+        lone.append(real(self, grad))
+        return lone[-1]
+
+    monkeypatch.setattr(ParameterShard, "_lone_contribution", seen)
     results = {}
     for shared in (False, True):
-        servers, shards = [], []
+        lone.clear()
+        servers: list[tuple[ServingServer, ParameterServerServicer]] = []
+        shards: list[PiecedShard] = []
+        every: list[ShardRange] = []  # every shard's pieces
+        client = None
         try:
             for r in shard_ranges(TOTAL, 2):
                 servicer = ParameterServerServicer()
                 server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
                 servers.append((server, servicer))
-                shard = ParameterShard(r.shard_id, r.start, r.end, torch.arange(r.numel) / r.numel, SGD, LR, 1)
+                cuts = [r.start + r.numel * i // pieces for i in range(pieces)] + [r.end]
+                own = [ShardRange(r.shard_id, a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+                every += own
+                shard = PiecedShard.build(own, torch.arange(r.numel) / r.numel, SGD, LR, 1)
                 servicer.attach(shard, 64)
                 shards.append(shard)
             addresses = [f"127.0.0.1:{server.port}" for server, _ in servers]
@@ -317,14 +337,22 @@ def test_a_lone_worker_moves_whole_shards_of_one_piece_through_the_board(devices
             params = torch.empty(TOTAL)
             for step in range(3):
                 grad = torch.randn(TOTAL, generator=torch.Generator().manual_seed(step))
-                client.push(grad, 0, step, devices).wait()
-                assert client.pull(step + 1, params) == step + 1
+                if pieces == 1:
+                    client.push(grad, 0, step, devices).wait()
+                    assert client.pull(step + 1, params) == step + 1
+                else:
+                    pushed, pulled = client.push_pull_pieces(grad, every[::-1], 0, step, devices, params)
+                    pushed.wait()
+                    assert pulled.wait() == step + 1
             counts = client.shared.counts
-            assert counts.board_pulls == (3 * 2 if shared else 0) and counts.board_retries == 0
+            moves = 3 * 2 * pieces  # steps x shards x pieces
+            assert lone == ([True] * moves if shared else [])  # streamed pushes are received into the shard's buffer
+            assert counts.board_pulls == (moves if shared else 0) and counts.board_retries == 0
             assert counts.streamed_bytes == (0 if shared else 3 * 2 * TOTAL * 4)
-            client.close()
             results[shared] = params
         finally:
+            if client is not None:
+                client.close()
             for shard in shards:
                 shard.close()
             for server, servicer in servers:
