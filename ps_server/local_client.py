@@ -123,9 +123,15 @@ class LocalPsClient:
         step: int,
         device_count: int,
         out: torch.Tensor,
+        placed: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[PushHandle, PullHandle]:
         check_pull_buffer(out, self.total)  # before anything is pushed
-        return push_then_pull(self, flat, pieces, worker_id, step, device_count, out)
+        return push_then_pull(self, flat, pieces, worker_id, step, device_count, out, placed)
+
+    def push_targets(self, pieces: Sequence[ShardRange], worker_id: int) -> list[torch.Tensor | None]:
+        """None for every piece: the shards in this process read the pushed tensor itself."""
+        check_pieces(pieces, self.ranges)
+        return [None] * len(pieces)
 
     def _push(
         self,

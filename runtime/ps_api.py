@@ -152,6 +152,11 @@ class ParameterServerClient(Protocol):
         """``skip_step`` for only ``pieces``: each completes ``step`` without an update."""
         ...
 
+    def push_targets(self, pieces: Sequence[ShardRange], worker_id: int) -> list[torch.Tensor | None]:
+        """Per piece, host memory a GPU may copy the piece's gradient into for ``push_pull_pieces(placed=...)`` to
+        send from where it lies (``PsClient``: a colocated shard's page-locked push region), or None."""
+        ...
+
     def push_pull_pieces(
         self,
         flat: torch.Tensor,
@@ -160,11 +165,14 @@ class ParameterServerClient(Protocol):
         step: int,
         device_count: int,
         out: torch.Tensor,
+        placed: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[PushHandle, PullHandle]:
         """``push_pieces``, then ``pull_pieces`` of version ``step + 1`` into ``out`` once the pushes are acknowledged;
         returns at once. A push's error is also the pull's (the caller repeats the push, then the pull).
         ``push_then_pull`` does exactly this for the whole set; a transport may instead pull each piece once it is
-        acknowledged, or fold a piece's push and pull into one call (``PsClient``, over shared memory)."""
+        acknowledged, or fold a piece's push and pull into one call (``PsClient``, over shared memory).
+        ``placed[i]``, where given, holds piece i's gradient in place of ``flat`` (``placed_sources``): a GPU copied
+        it into the piece's ``push_targets`` memory, which a transport sends it from without a copy."""
         ...
 
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
@@ -211,9 +219,16 @@ def push_then_pull(
     step: int,
     device_count: int,
     out: torch.Tensor,
+    placed: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[PushHandle, PullHandle]:
     """``push_pull_pieces`` from ``push_pieces`` and ``pull_pieces``: the pull starts from the last acknowledgement's
-    callback (so nothing waits for it) and its handle is one future, settled when the pull is."""
+    callback (so nothing waits for it) and its handle is one future, settled when the pull is. ``placed`` pieces
+    are gathered into a copy of ``flat`` first (no transport here reads them in place)."""
+    sources = placed_sources(flat, pieces, placed)
+    if placed is not None and any(t is not None for t in placed):
+        flat = flat.clone()
+        for p, source in zip(pieces, sources, strict=True):
+            flat[p.start : p.end] = source
     pushed = client.push_pieces(flat, pieces, worker_id, step, device_count)
     if not pushed.futures:  # nothing to acknowledge: the pull (of no pieces) answers for itself
         return pushed, client.pull_pieces(step + 1, out, pieces)
@@ -266,6 +281,29 @@ def check_push_buffer(flat: torch.Tensor, total: int) -> None:
         raise InvalidRequest(
             f"push needs a 1-D float32 vector of {total} elements, got {flat.dtype} of shape {tuple(flat.shape)}"
         )
+
+
+def placed_sources(
+    flat: torch.Tensor, pieces: Sequence[ShardRange], placed: Sequence[torch.Tensor | None] | None
+) -> list[torch.Tensor]:
+    """Where each piece's gradient is read from: ``placed[i]`` where given (checked to fit the piece), else its
+    slice of ``flat``."""
+    if placed is None:
+        return [flat[p.start : p.end] for p in pieces]
+    if len(placed) != len(pieces):
+        raise InvalidRequest(f"placed names {len(placed)} pieces for a push of {len(pieces)}")
+    sources = []
+    for p, source in zip(pieces, placed, strict=True):
+        if source is None:
+            sources.append(flat[p.start : p.end])
+            continue
+        if source.dtype != torch.float32 or source.shape != (p.numel,) or source.device.type != "cpu":
+            raise InvalidRequest(
+                f"piece [{p.start}, {p.end}) placed in a {source.device.type} {source.dtype} tensor of shape "
+                f"{tuple(source.shape)}; it needs a 1-D float32 host tensor of {p.numel} elements"
+            )
+        sources.append(source)
+    return sources
 
 
 def round_push(piece: torch.Tensor, push_dtype: torch.dtype) -> torch.Tensor:

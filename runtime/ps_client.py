@@ -13,6 +13,9 @@ map both and reads back the announced nonce; pushes then send only the header af
 piece into the push region, and pulls receive only the header and copy the piece out of the pull
 region, each piece's as one unary call (``PushShared``, ``PullShared``; a shard without them,
 UNIMPLEMENTED, is streamed to). Anything else (a remote shard, ``shared_memory=False``, a refusal) streams, as before.
+A worker with one GPU gives the client a ``pinning``: each push region is page-locked once mapped, ``push_targets``
+names the pieces' spans there, the GPU copies each piece into its span, and ``push_pull_pieces(placed=...)`` sends it
+from there with no copy at all on the host.
 
 Remote (issue 12): gRPC Python's own copies keep a gRPC stream near 0.4x raw TCP, so a client
 moves payloads on bulk sockets (``runtime.bulk_client``, ``ps_server.bulk``) where the shard offers
@@ -51,6 +54,7 @@ from pstrain.protos.codec import (
     wire_dtype,
 )
 from pstrain.runtime.bulk_client import BulkClient, ClientSocket
+from pstrain.runtime.host_pinning import HostPinning
 from pstrain.runtime.ps_api import (
     Cancelled,
     InvalidRequest,
@@ -66,6 +70,7 @@ from pstrain.runtime.ps_api import (
     check_pieces,
     check_pull_buffer,
     check_push_buffer,
+    placed_sources,
     result_of,
     round_push,
 )
@@ -217,11 +222,13 @@ class PsClient:
         shared_memory: bool = True,
         push_dtype: torch.dtype = torch.float32,
         bulk: bool = True,
+        pinning: HostPinning | None = None,
     ) -> None:
         """``shared_memory``: use shared memory with shards on this host (``transport.shared_memory: auto``).
         ``push_dtype``: gradients leave as this (``transport.push_dtype``); each piece is rounded once, as it is
         encoded, by ``round_push`` (the in-memory client calls the same function). ``bulk``: move payloads on raw
-        sockets where a shard offers them (``transport.bulk_sockets: auto``; see the module docstring)."""
+        sockets where a shard offers them (``transport.bulk_sockets: auto``; see the module docstring). ``pinning``:
+        page-lock each push region for a GPU's copies (``push_targets``; a worker with one GPU)."""
         self.ranges: list[ShardRange] = shard_ranges(total, len(addresses))
         self.total = total
         self._addresses = list(addresses)
@@ -240,6 +247,7 @@ class PsClient:
             [s.OpenSharedMemory for s in self._stubs],
             [s.CloseSharedMemory for s in self._stubs],
             shared_memory,
+            pinning,
         )
         self.bulk = BulkClient(self._addresses, [s.OpenBulk for s in self._stubs], bulk)
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
@@ -271,6 +279,15 @@ class PsClient:
         check_pieces(pieces, self.ranges)
         return PushHandle([self._submit(self._push_one, p, None, worker_id, step, device_count, True) for p in pieces])
 
+    def push_targets(self, pieces: Sequence[ShardRange], worker_id: int) -> list[torch.Tensor | None]:
+        """Per piece, its span of a colocated shard's page-locked push region, where a GPU may copy the piece's
+        gradient for ``push_pull_pieces(placed=...)`` to send it from; None where there is none (no ``pinning``, a
+        remote shard, a push dtype that rounds). Negotiates the regions on first use, as a push does."""
+        check_pieces(pieces, self.ranges)
+        if self._push_dtype != torch.float32:
+            return [None] * len(pieces)
+        return self.shared.push_targets(pieces, worker_id)
+
     def push_pull_pieces(
         self,
         flat: torch.Tensor,
@@ -279,22 +296,28 @@ class PsClient:
         step: int,
         device_count: int,
         out: torch.Tensor,
+        placed: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[PushHandle, PullHandle]:
         """``push_pieces``, then each piece's pull of version ``step + 1`` into ``out``, started once that piece is
         acknowledged. A piece whose shard is colocated and offers its board is pushed and pulled back in one call
         (``PushShared`` with ``pull_after``): its acknowledgement comes with the new version, and no thread waits
         for it (the call runs on gRPC's own; its reply hands the copy out of the board to the pull pool). That
         call's deadline is the pull's, since it waits for the step's slowest worker. Any other piece is pushed on
-        the push pool and then pulled on the pull pool, as ``push_pieces`` and ``pull_pieces`` would."""
+        the push pool and then pulled on the pull pool, as ``push_pieces`` and ``pull_pieces`` would.
+
+        ``placed[i]``, where given, holds piece i's gradient instead of ``flat``: when it is the piece's
+        ``push_targets`` span the shared-memory push copies nothing, and should the shard refuse its regions the
+        piece is streamed from it (a region given up stays mapped until ``close``)."""
         check_push_buffer(flat, self.total)
         check_pull_buffer(out, self.total)
         check_pieces(pieces, self.ranges)
+        sources = placed_sources(flat, pieces, placed)
         acks: list[Future[ShardAck]] = []
         pulls: list[Future[int]] = []
-        for p in pieces:
+        for p, source in zip(pieces, sources, strict=True):
             acked: Future[ShardAck] = Future()
             pulled: Future[int] = Future()
-            args = (p, flat[p.start : p.end], worker_id, step, device_count, out[p.start : p.end], acked, pulled)
+            args = (p, source, worker_id, step, device_count, out[p.start : p.end], acked, pulled)
             self._start_push_pull(args)
             acks.append(acked)
             pulls.append(pulled)
@@ -414,7 +437,7 @@ class PsClient:
         header.skip = piece is None
         regions = self.shared.for_push(r, worker_id) if piece is not None else None
         if regions is not None and piece is not None:
-            regions.push.data[self.shared.span(r)].copy_(piece)  # the payload's one copy on this side
+            self._place(regions, r, piece)
             header.shm_nonce = regions.nonce
             try:
                 if is_piece:  # one unary call (PushShared); a whole shard's header-only push is a Push stream
@@ -479,7 +502,7 @@ class PsClient:
         header = self._push_header(r, worker_id, step, device_count, True)
         header.shm_nonce = regions.nonce
         header.pull_after = True
-        regions.push.data[self.shared.span(r)].copy_(round_push(piece, self._push_dtype))  # the payload's one copy
+        self._place(regions, r, round_push(piece, self._push_dtype))
         call = self._stubs[r.shard_id].PushShm.future(header, timeout=self._pull_timeout_s)
         args: _PushPull = (r, piece, worker_id, step, device_count, dest, acked, pulled)
         call.add_done_callback(functools.partial(self._pushed_and_published, args, regions))
@@ -510,6 +533,15 @@ class PsClient:
             return
         request = pb.PullRequest(shard_id=r.shard_id, min_version=step + 1, piece_start=r.start)
         self._then(pulled, self._land_shared, r, reply.pulled, request, dest, regions, True)
+
+    def _place(self, regions: MappedPair, r: ShardRange, piece: torch.Tensor) -> None:
+        """Put a piece's gradient (as pushed: ``round_push``) in its span of the push region: the payload's one copy
+        on this side, or none where a GPU copied it there (``push_targets``, passed back as ``placed``)."""
+        span = regions.push.data[self.shared.span(r)]
+        if piece.data_ptr() == span.data_ptr():
+            self.shared.count(placed_pushes=1)
+            return
+        span.copy_(piece)
 
     def _then(self, into: Future[T], fn: Callable[..., T], r: ShardRange, *args: object) -> None:
         """Run ``fn(r, *args)`` on the pull pool and settle ``into`` with its outcome."""

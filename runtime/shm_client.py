@@ -24,9 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime import shm_board, shm_region
+from pstrain.runtime.host_pinning import HostPinning
 from pstrain.runtime.shard_map import ShardRange
 from pstrain.runtime.shm_board import Board
 from pstrain.runtime.shm_region import Region, ShmError
@@ -44,6 +46,7 @@ class MappedPair:
     push: Region
     pull: Region
     board: Board | None = None  # the shard's published board (read-only), where it offers one and it maps
+    push_pinned: bool = False  # page-locked for device copies (``runtime.host_pinning``)
 
     def close(self) -> None:
         self.push.close()
@@ -61,6 +64,7 @@ class TransportCounts:
     board_pulls: int = 0  # piece pulls copied straight out of a shard's published board
     board_retries: int = 0  # of those, copies the board's stamp refused (pulled again through the pull region)
     push_pulls: int = 0  # pieces pushed and pulled back in one call (PushShared with pull_after)
+    placed_pushes: int = 0  # pieces a device had already copied into the push region (no copy here)
 
 
 class SharedMemory:
@@ -71,8 +75,10 @@ class SharedMemory:
         opens: Sequence[Callable[..., pb.ShmRegions]],
         closes: Sequence[Callable[..., pb.Empty]],
         enabled: bool,
+        pinning: HostPinning | None = None,
     ) -> None:
         self._addresses = list(addresses)
+        self._pinning = pinning
         self._ranges = list(ranges)
         self._opens = list(opens)
         self._closes = list(closes)
@@ -98,6 +104,14 @@ class SharedMemory:
                 state = self._state[r.shard_id]
         return state if isinstance(state, MappedPair) and state.worker_id == worker_id else None
 
+    def push_targets(self, pieces: Sequence[ShardRange], worker_id: int) -> list[torch.Tensor | None]:
+        """Per piece, its span of a page-locked push region (negotiated on first use), or None."""
+        targets: list[torch.Tensor | None] = []
+        for r in pieces:
+            regions = self.for_push(r, worker_id)
+            targets.append(regions.push.data[self.span(r)] if regions is not None and regions.push_pinned else None)
+        return targets
+
     def for_pull(self, shard_id: int) -> MappedPair | None:
         state = self._state[shard_id]
         return state if isinstance(state, MappedPair) else None
@@ -116,7 +130,13 @@ class SharedMemory:
         return [i for i, s in enumerate(self._state) if isinstance(s, MappedPair)]
 
     def count(
-        self, shared: int = 0, streamed: int = 0, board_pulls: int = 0, board_retries: int = 0, push_pulls: int = 0
+        self,
+        shared: int = 0,
+        streamed: int = 0,
+        board_pulls: int = 0,
+        board_retries: int = 0,
+        push_pulls: int = 0,
+        placed_pushes: int = 0,
     ) -> None:
         with self._count_lock:
             self.counts.shared_bytes += shared
@@ -124,6 +144,7 @@ class SharedMemory:
             self.counts.board_pulls += board_pulls
             self.counts.board_retries += board_retries
             self.counts.push_pulls += push_pulls
+            self.counts.placed_pushes += placed_pushes
 
     def close(self) -> None:
         """Ask each shard to unlink this client's regions (best effort: a stopping shard unlinks them itself)."""
@@ -140,10 +161,16 @@ class SharedMemory:
     def unmap(self) -> None:
         for shard_id, state in enumerate(self._state):
             if isinstance(state, MappedPair):
-                state.close()
+                self._close(state)
             self._state[shard_id] = _OFF
         for pair in self._retired:
-            pair.close()
+            self._close(pair)
+
+    def _close(self, pair: MappedPair) -> None:
+        if pair.push_pinned and self._pinning is not None:  # while the pages are still mapped
+            self._pinning.unpin(pair.push.data)
+            pair.push_pinned = False
+        pair.close()
 
     def _negotiate(self, shard_id: int, worker_id: int) -> MappedPair | str:
         host = self._addresses[shard_id].rpartition(":")[0]
@@ -177,9 +204,11 @@ class SharedMemory:
                 log.info(
                     "shard %d: cannot map its published board (%s); pulls are copied for this worker", shard_id, exc
                 )
+        pinned = self._pinning is not None and self._pinning.pin(push.data)
         log.info(
-            "shard %d: pushes and pulls go through shared memory%s",
+            "shard %d: pushes and pulls go through shared memory%s%s",
             shard_id,
             " (pulls from its board)" if board else "",
+            "; its push region is page-locked for device copies" if pinned else "",
         )
-        return MappedPair(worker_id, reply.nonce, push, pull, board)
+        return MappedPair(worker_id, reply.nonce, push, pull, board, pinned)

@@ -205,12 +205,14 @@ WIDE = {"inputs": 32, "hidden": 64, "classes": 10}  # 2,762 parameters (11 KiB):
         pytest.param(
             ["cuda:0", "cuda:0"], marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
         ),
+        pytest.param(["cuda:0"], marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
     ],
-    ids=["cpu-stand-ins", "two-replicas-on-one-gpu"],
+    ids=["cpu-stand-ins", "two-replicas-on-one-gpu", "one-gpu-into-the-push-regions"],
 )
 def test_gradients_in_several_buckets_train_as_torch_optim(tmp_path, devices):
     """Several buckets per step, so a bucket leaves while backward still runs the layers below it: on a GPU its
-    device-to-host copy runs on a side stream beside that backward (``Replica.stage_bucket``); same result."""
+    device-to-host copy runs on a side stream beside that backward (``Replica.stage_bucket``); same result. With
+    one GPU the copy also goes straight into the shards' page-locked push regions (``runtime.host_pinning``)."""
     layout = ParamLayout.of(odd_mlp(**WIDE))
     assert len(plan_buckets(layout, shard_ranges(layout.total, SHARDS), 4096).buckets) >= 2
     data = {k: v for k, v in WIDE.items() if k in ("inputs", "classes")}
@@ -230,6 +232,9 @@ def test_gradients_in_several_buckets_train_as_torch_optim(tmp_path, devices):
     expected = reference(torch.optim.SGD, lambda s: 0.05 * WORKERS * len(devices), shape=WIDE, momentum=0.9)
     assert_equivalent(torch.load(tmp_path / "out" / "model.pt", weights_only=True), expected)
     assert not pids_with_marker(marker)
+    placed = "push region is page-locked for device copies" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
+    assert placed is (devices == ["cuda:0"])
+    assert "pushes and pulls go through shared memory" in (tmp_path / "out" / "logs" / "worker-0.log").read_text()
 
 
 def test_swapping_every_layer_changes_nothing(tmp_path):

@@ -181,8 +181,9 @@ class Recording:
         step: int,
         device_count: int,
         out: torch.Tensor,
+        placed: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[PushHandle, PullHandle]:
-        return push_then_pull(self, flat, pieces, worker_id, step, device_count, out)  # faulted as push and pull
+        return push_then_pull(self, flat, pieces, worker_id, step, device_count, out, placed)  # faulted as push, pull
 
     def skip_pieces(self, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int) -> PushHandle:
         self.calls.append(("skip", worker_id, step))

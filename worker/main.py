@@ -23,6 +23,7 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime import host_pinning
 from pstrain.runtime.factories import FactoryError, LossFn, build_dataset, build_model, resolve_loss
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
@@ -182,6 +183,7 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         push_dtype=torch.bfloat16 if job.push_dtype == pb.BFLOAT16 else torch.float32,  # issue 12
         shared_memory=not job.shared_memory_off,  # issue 12: colocated shards through /dev/shm
         bulk=not job.bulk_sockets_off,  # issue 12: remote shards' payloads on raw TCP (transport.bulk_sockets)
+        pinning=host_pinning.for_devices(devices) if replicas.places_on_device else None,  # issue 12: one GPU
     )
     member.closing(lambda: ps.close(cancel=True))  # a pull left waiting on a failed step must not hold the exit
     rows_check = rejoin_rows_check(job, cluster.ps_addresses, reply.worker_id, member.served.security)  # issue 9

@@ -15,6 +15,15 @@ must be repeated is pulled after the repeat (its first pull fails with the push'
 loader pulls it again), and a skipped bucket's pull starts once the skip is acknowledged
 (``pull_missing``). After backward the trainer waits for the pushes (the exposed push).
 
+One GPU (``place_on_device``). With no host sum to make, the GPU copies each piece of a bucket whose shard is
+colocated straight into the piece's span of that shard's push region, page-locked for it
+(``ParameterServerClient.push_targets``), and the push names those spans as the pieces' sources (``placed``), so
+the host copies nothing; the other pieces go to the pinned staging buffer as before. A push that must be repeated
+gathers the placed pieces into the staging buffer first (``host_gradient``). The GPU also sums the bucket and sends
+back whether that sum is finite: a finite sum proves every element finite (a NaN or Inf never sums to a finite
+value), so the host reads the bucket only when the device's sum is not finite, and then decides, as it always
+does with several devices (whose host sum can overflow where no device's part does).
+
 Pull side (``BucketLoader``). The next step's forward waits only for the buckets a module uses:
 a forward pre-hook on each module that holds parameters of its own waits for the buckets of its
 whole subtree (so a module that reads a child's weight directly, as ``MultiheadAttention`` reads
@@ -54,12 +63,39 @@ Repull = Callable[[Bucket, int], int]  # pull a bucket again (with retries) afte
 
 
 @dataclass
+class StagedBucket:
+    """One device's copies of a bucket's gradient to the host, in flight (``Replica.stage_bucket``)."""
+
+    done: torch.cuda.Event | None  # recorded after the copies; None: nothing is in flight
+    finite: torch.Tensor | None = None  # pinned bool[1]: the device's sum of the bucket is finite (after ``done``)
+    placed: tuple[torch.Tensor | None, ...] = ()  # per piece: its push target, if copied there instead of staging
+
+    def gather(self, bucket: Bucket, into: torch.Tensor) -> None:
+        """Copy the placed pieces into ``into`` (the host buffer), which then holds the whole bucket."""
+        for piece, target in zip(bucket.pieces, self.placed, strict=False):
+            if target is not None:
+                into[piece.start : piece.end].copy_(target)
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+    def surely_finite(self) -> bool:
+        """True proves every element finite; False only means the host must look (an overflowing sum)."""
+        return self.finite is not None and bool(self.finite[0])
+
+
+Stage = Callable[[Bucket, Sequence[torch.Tensor | None]], StagedBucket | None]  # a bucket's copies on one device
+
+
+@dataclass
 class StepPushes:
     """What one step pushed: the handles to wait on and whether every pushed bucket was finite."""
 
     step: int
     handles: list[tuple[Bucket, bool, PushHandle]] = field(default_factory=list)  # (bucket, skipped, handle)
     pulls: dict[int, PullHandle] = field(default_factory=dict)  # bucket index -> its pull of version step + 1
+    placed: dict[int, StagedBucket] = field(default_factory=dict)  # bucket index -> its copies, some into targets
     finite: bool = True
     first_nonfinite: int | None = None  # bucket index
 
@@ -77,7 +113,9 @@ class BucketPusher:
         host_params: torch.Tensor,
         staging: Sequence[torch.Tensor],
         skip_nonfinite: bool,
+        place_on_device: bool = False,
     ) -> None:
+        """``place_on_device``: the one device is a GPU that copies each bucket into its ``push_targets`` too."""
         self.plan = plan
         self.devices = devices
         self.ps = ps
@@ -90,6 +128,7 @@ class BucketPusher:
         # forward, and the trainer waits for every push of a step (and its repeats) before that.
         self.grads = self.staging[0] if len(self.staging) == 1 else host_grads
         self.skip_nonfinite = skip_nonfinite
+        self._place = place_on_device and devices == 1
         self._sizes = [len(b.params) for b in plan.buckets]
         self._lock = threading.Lock()
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-push")
@@ -97,7 +136,7 @@ class BucketPusher:
         self._step: StepPushes | None = None
         self._left: list[list[int]] = []  # per device, per bucket: parameters still without a gradient
         self._ready: list[int] = []  # per bucket: devices on which it is complete
-        self._events: list[list[object | None]] = []  # per device, per bucket: a CUDA event of its host copy
+        self._events: list[list[StagedBucket | None]] = []  # per device, per bucket: its copies to the host
         self._queued: set[int] = set()
         self.on_push: Callable[[Bucket], None] | None = None  # tests observe the order of pushes
 
@@ -111,7 +150,7 @@ class BucketPusher:
             self._queued = set()
             self._sent = []
 
-    def gradient_ready(self, device: int, param: int, event: Callable[[Bucket], object | None]) -> None:
+    def gradient_ready(self, device: int, param: int, stage: Stage) -> None:
         """Parameter ``param``'s gradient is final on ``device`` (from its post-accumulate-grad hook)."""
         with self._lock:
             if self._step is None:
@@ -121,14 +160,14 @@ class BucketPusher:
             left[bucket] -= 1
             if left[bucket] != 0:
                 return
-        handle = event(self.plan.buckets[bucket])  # the device->host copy of this bucket, where there is one
+        handle = self._stage(stage, bucket)  # the device->host copy of this bucket, where there is one
         with self._lock:
             self._events[device][bucket] = handle
             self._ready[bucket] += 1
             if self._ready[bucket] == self.devices:
                 self._queue(bucket)
 
-    def device_done(self, device: int, event: Callable[[Bucket], object | None]) -> None:
+    def device_done(self, device: int, stage: Stage) -> None:
         """Backward ended on ``device``: a bucket still missing gradients there (parameters the step did not
         use keep their zero gradient) is complete now."""
         with self._lock:
@@ -138,12 +177,16 @@ class BucketPusher:
             for bucket in missing:
                 self._left[device][bucket] = 0
         for bucket in missing:
-            handle = event(self.plan.buckets[bucket])
+            handle = self._stage(stage, bucket)
             with self._lock:
                 self._events[device][bucket] = handle
                 self._ready[bucket] += 1
                 if self._ready[bucket] == self.devices:
                     self._queue(bucket)
+
+    def _stage(self, stage: Stage, index: int) -> StagedBucket | None:
+        bucket = self.plan.buckets[index]
+        return stage(bucket, self.ps.push_targets(bucket.pieces, self.worker_id) if self._place else ())
 
     def skip_all(self, step: int, devices: int) -> StepPushes:
         """A non-finite loss: skip every piece of ``step`` (no backward, nothing pushed but the skips)."""
@@ -178,24 +221,28 @@ class BucketPusher:
         """On the sender thread: the host sum of one bucket, checked, pushed, and its next pull started."""
         step = self._step
         assert step is not None
-        for device in range(self.devices):
-            event = self._events[device][bucket.index]
-            if event is not None:
-                event.synchronize()  # type: ignore[attr-defined]
+        copies = [self._events[device][bucket.index] for device in range(self.devices)]
+        for copy in copies:
+            if copy is not None:
+                copy.wait()
         dest = self.grads[bucket.start : bucket.end]
         if len(self.staging) > 1:  # several devices: their sum, in device order
             dest.copy_(self.staging[0][bucket.start : bucket.end])
             for staged in self.staging[1:]:
                 dest.add_(staged[bucket.start : bucket.end])
-        if step.finite and not all_finite(dest):
+        own = copies[0] if self.devices == 1 else None  # one device: its copy is the sum
+        if own is not None and any(t is not None for t in own.placed):
+            step.placed[bucket.index] = own
+        if step.finite and not ((own is not None and own.surely_finite()) or self._host_finite(own, bucket, dest)):
             step.finite = False
             step.first_nonfinite = bucket.index
         devices = self.devices
         if step.finite:
             if self.on_push is not None:
                 self.on_push(bucket)
+            placed = own.placed if own is not None and own.placed else None  # pieces the device put in place
             handle, pull = self.ps.push_pull_pieces(
-                self.grads, bucket.pieces, self.worker_id, step.step, devices, self.host_params
+                self.grads, bucket.pieces, self.worker_id, step.step, devices, self.host_params, placed
             )
             step.handles.append((bucket, False, handle))
             with self._lock:
@@ -206,6 +253,21 @@ class BucketPusher:
         handle = self.ps.skip_pieces(bucket.pieces, self.worker_id, step.step, devices)
         step.handles.append((bucket, True, handle))
         self._pull_when_acknowledged(step, bucket, handle)
+
+    def _host_finite(self, own: StagedBucket | None, bucket: Bucket, dest: torch.Tensor) -> bool:
+        """The host's verdict; it needs the whole bucket in ``dest``, so placed pieces are gathered first (only
+        when the device's sum was not finite: rarely)."""
+        if own is not None:
+            own.gather(bucket, dest)
+        return all_finite(dest)
+
+    def host_gradient(self, step: StepPushes, bucket: Bucket) -> torch.Tensor:
+        """The host buffer with ``bucket``'s gradient of ``step`` whole (its placed pieces gathered): what a repeated
+        push of the bucket sends."""
+        staged = step.placed.get(bucket.index)
+        if staged is not None:
+            staged.gather(bucket, self.grads)
+        return self.grads
 
     def _pull_when_acknowledged(self, step: StepPushes, bucket: Bucket, handle: PushHandle) -> None:
         left = [len(handle.futures)]

@@ -15,9 +15,9 @@ each bucket of new parameters just before the first module that uses it runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from pstrain.runtime.buckets import Bucket, BucketPlan
 from pstrain.runtime.factories import LossFn
 from pstrain.runtime.layout import ParamLayout
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
-from pstrain.worker.overlap import BucketLoader, BucketPusher
+from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
 from pstrain.worker.param_offload import HostGradSum, ParamOffload, offload_layers
 
 
@@ -51,6 +51,7 @@ class Replica:
     offload: SwapToHost | None = None  # swap-out of saved activations, per the job's memory plan
     param_offload: ParamOffload | None = None  # whole-layer offload: host buffers shared by the host's replicas
     copy_stream: torch.cuda.Stream | None = None  # the per-bucket gradient copies (``stage_bucket``), made lazily
+    finite_flags: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: pinned bool[1] (stage_bucket)
 
     @classmethod
     def build(
@@ -115,25 +116,41 @@ class Replica:
         with torch.no_grad():
             self.flat_params[bucket.start : bucket.end].copy_(source[bucket.start : bucket.end], non_blocking=True)
 
-    def stage_bucket(self, bucket: Bucket) -> object | None:
-        """Start the device->host copy of one bucket's gradient; a CUDA event marks its end (None on the CPU).
+    def stage_bucket(self, bucket: Bucket, targets: Sequence[torch.Tensor | None] = ()) -> StagedBucket | None:
+        """Start the device->host copy of one bucket's gradient (None on the CPU: nothing to copy).
 
         The copy runs on a side stream that first waits for the compute stream (the bucket's gradients are
         complete there): on the compute stream itself, backward of the layers below would wait for each bucket
         to cross PCIe. Nothing writes ``flat_grads`` again before ``backward`` synchronizes the device, and
         ``staging`` is read only after the event (the sender) or that synchronization (``sum_gradients``).
         Both buffers live as long as the replica, so the caching allocator needs no ``record_stream``.
+
+        ``targets`` (one GPU, ``worker.overlap``): per piece of the bucket, page-locked host memory the piece is
+        copied into instead of ``staging`` (None: into ``staging``). The side stream also sums the bucket and copies
+        whether that sum is finite into a pinned flag, read by the sender after the event.
         """
+        if targets and len(targets) != len(bucket.pieces):
+            raise ValueError(f"{len(targets)} push targets for a bucket of {len(bucket.pieces)} pieces")
         if self.staging is self.flat_grads:
             return None
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(self.device)
+        flag = self.finite_flags.get(bucket.index)
+        if flag is None:
+            flag = self.finite_flags[bucket.index] = torch.empty(1, dtype=torch.bool, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            self.staging[bucket.start : bucket.end].copy_(self.flat_grads[bucket.start : bucket.end], non_blocking=True)
+            grads = self.flat_grads[bucket.start : bucket.end]
+            if any(t is not None for t in targets):
+                for piece, target in zip(bucket.pieces, targets, strict=True):
+                    into = self.staging[piece.start : piece.end] if target is None else target
+                    into.copy_(self.flat_grads[piece.start : piece.end], non_blocking=True)
+            else:
+                self.staging[bucket.start : bucket.end].copy_(grads, non_blocking=True)
+            flag.copy_(torch.isfinite(grads.sum()).reshape(1), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        return event
+        return StagedBucket(event, flag, tuple(targets))
 
 
 class ReplicaSet:
@@ -186,6 +203,12 @@ class ReplicaSet:
 
     def __len__(self) -> int:
         return len(self.replicas)
+
+    @property
+    def places_on_device(self) -> bool:
+        """One GPU with a staging buffer of its own: its buckets can be copied into the shards' push regions
+        (``worker.overlap``); several devices are summed on the host first, whole-layer offload sums there."""
+        return len(self.replicas) == 1 and self.replicas[0].staging is not self.replicas[0].flat_grads
 
     @property
     def staging(self) -> list[torch.Tensor]:

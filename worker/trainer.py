@@ -129,6 +129,7 @@ class Trainer:
             replicas.host_params,
             replicas.staging,
             self.skip_nonfinite,
+            place_on_device=replicas.places_on_device,
         )
         self.loader = BucketLoader(self.plan, len(replicas), replicas.host_params)
         replicas.attach(self.plan, self.pusher, self.loader)
@@ -285,7 +286,7 @@ class Trainer:
                 def again(bucket: Bucket = bucket, skipped: bool = skipped) -> object:
                     if skipped:
                         return self.ps.skip_pieces(bucket.pieces, self.worker_id, pushes.step, devices).wait()
-                    grads = self.pusher.grads  # the host sum the first try pushed
+                    grads = self.pusher.host_gradient(pushes, bucket)  # the host sum the first try pushed
                     return self.ps.push_pieces(grads, bucket.pieces, self.worker_id, pushes.step, devices).wait()
 
                 self._retrying("push", again)

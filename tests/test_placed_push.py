@@ -1,0 +1,371 @@
+"""A GPU's bucket copied straight into the shards' push regions (issue 12): real aio gRPC shards on 127.0.0.1.
+
+A worker with one GPU asks the client for its pieces' spans of the colocated shards' push regions, page-locked
+(``runtime.host_pinning``); the GPU copies each bucket there, and the push names those pieces as placed, so the
+client copies nothing. Here a recording stand-in does the page-locking (the CUDA runtime's calls need a GPU) and
+the test writes the spans as the GPU would; the CUDA-only tests at the bottom do it with a real GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pstrain.ps_server.local_client import LocalPsClient
+from pstrain.ps_server.pieces import PiecedShard
+from pstrain.runtime import host_pinning, shm_region
+from pstrain.runtime.buckets import Bucket, BucketPlan, plan_buckets
+from pstrain.runtime.host_pinning import HostPinning
+from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.numerics import all_finite
+from pstrain.runtime.ps_api import InvalidRequest
+from pstrain.runtime.ps_client import PsClient
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
+from pstrain.worker import overlap
+from pstrain.worker.overlap import BucketPusher, StagedBucket
+from pstrain.worker.replicas import Replica
+from tests.helpers import odd_mlp
+from tests.test_shm_path import LR, SGD, TOTAL, WORKERS, Cluster, pieces_of, start_cluster
+
+
+@dataclass
+class Pins:
+    """The page-locking a client asked for: region addresses pinned and released, in order."""
+
+    ok: bool = True
+    pinned: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+
+    def pinning(self) -> HostPinning:
+        def pin(t: torch.Tensor) -> bool:
+            if self.ok:
+                self.pinned.append(t.data_ptr())
+            return self.ok
+
+        return HostPinning(pin, lambda t: self.released.append(t.data_ptr()))
+
+
+def client(cluster: Cluster, pins: Pins | None, shared_memory: bool = True, bf16: bool = False) -> PsClient:
+    return PsClient(cluster.addresses, TOTAL, chunk_bytes=64, push_timeout_s=10, pull_timeout_s=10,
+                    shared_memory=shared_memory, push_dtype=torch.bfloat16 if bf16 else torch.float32,
+                    pinning=None if pins is None else pins.pinning())  # fmt: skip
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = start_cluster()
+    yield c
+    c.stop()
+
+
+def gradient(step: int, worker: int) -> torch.Tensor:
+    return torch.randn(TOTAL, generator=torch.Generator().manual_seed(100 * step + worker))
+
+
+def all_pieces(c: PsClient) -> list[ShardRange]:
+    return [p for r in c.ranges for p in pieces_of(r)]
+
+
+def train(cluster: Cluster, place: bool, steps: int = 3) -> tuple[torch.Tensor, list[PsClient]]:
+    """Two workers push every piece and pull it back for ``steps`` steps; with ``place`` each gradient is written
+    into the push targets only (``flat`` holds zeros), as proof that a placed push is read from the region."""
+    pins = [Pins() for _ in range(WORKERS)]
+    clients = [client(cluster, p if place else None) for p in pins]
+    pieces = all_pieces(clients[0])
+    out = [torch.empty(TOTAL) for _ in clients]
+    for step in range(steps):
+        pulls = []
+        for w, c in enumerate(clients):
+            grad = gradient(step, w)
+            flat, placed = grad, None
+            if place:
+                targets = c.push_targets(pieces, w)
+                assert all(t is not None for t in targets)
+                for p, t in zip(pieces, targets, strict=True):
+                    t.copy_(grad[p.start : p.end])  # type: ignore[union-attr]
+                flat, placed = torch.zeros(TOTAL), targets
+            pushed, pulled = c.push_pull_pieces(flat, pieces, w, step, 1, out[w], placed)
+            pulls.append((pushed, pulled))
+        for pushed, pulled in pulls:
+            pushed.wait()
+            pulled.wait()
+    assert torch.equal(out[0], out[1])
+    for p, c in zip(pins, clients, strict=True):
+        assert c.shared.counts.placed_pushes == (steps * len(pieces) if place else 0)
+        if place:
+            assert len(p.pinned) == len(c.ranges)  # each shard's push region, once
+    return out[0], clients
+
+
+def test_placed_pieces_are_sent_from_the_region_and_train_bit_for_bit() -> None:
+    results = {}
+    for place in (False, True):
+        c = start_cluster()
+        try:
+            params, clients = train(c, place)
+            for k in clients:
+                k.close()
+            results[place] = params
+        finally:
+            c.stop()
+    assert torch.equal(results[True], results[False])
+
+
+def test_regions_are_released_before_they_are_unmapped(cluster: Cluster) -> None:
+    pins = Pins()
+    c = client(cluster, pins)
+    targets = c.push_targets(all_pieces(c), 0)
+    assert len(pins.pinned) == 2 and pins.released == []
+    assert sorted({t.untyped_storage().data_ptr() for t in targets if t is not None}) == sorted(pins.pinned)
+    c.close()
+    assert sorted(pins.released) == sorted(pins.pinned)
+
+
+@pytest.mark.parametrize("case", ["no-pinning", "pinning-refused", "shared-memory-off", "bfloat16-push"])
+def test_no_targets_where_nothing_is_page_locked(cluster: Cluster, case: str) -> None:
+    pins = Pins(ok=case != "pinning-refused")
+    c = client(
+        cluster,
+        None if case == "no-pinning" else pins,
+        shared_memory=case != "shared-memory-off",
+        bf16=case == "bfloat16-push",
+    )
+    try:
+        pieces = all_pieces(c)
+        assert c.push_targets(pieces, 0) == [None] * len(pieces)
+        if case == "pinning-refused":
+            assert c.shared.active == [0, 1]  # the regions are still used, the client copies into them
+    finally:
+        c.close()
+
+
+def test_a_placed_piece_whose_regions_were_given_up_is_streamed_from_its_span(cluster: Cluster) -> None:
+    """The shard refused the regions after the device wrote them: the piece is streamed from where it lies."""
+    clients = [client(cluster, Pins()) for _ in range(WORKERS)]
+    pieces = all_pieces(clients[0])
+    out = torch.empty(TOTAL)
+    handles = []
+    try:
+        for w, c in enumerate(clients):
+            grad = gradient(0, w)
+            targets = c.push_targets(pieces, w)
+            for p, t in zip(pieces, targets, strict=True):
+                t.copy_(grad[p.start : p.end])  # type: ignore[union-attr]
+            c.shared.disable(0)
+            flat = torch.full((TOTAL,), float("nan"))  # never read: every piece is placed
+            handles.append(c.push_pull_pieces(flat, pieces, w, 0, 1, out, targets)[0])
+        for handle in handles:  # a piece pushed and pulled in one call is acknowledged once every worker pushed
+            handle.wait()
+        reference = start_cluster()
+        try:
+            plain = [client(reference, None, shared_memory=False) for _ in range(WORKERS)]
+            for w, k in enumerate(plain):
+                k.push_pieces(gradient(0, w), pieces, w, 0, 1).wait()
+            expected = torch.empty(TOTAL)
+            plain[0].pull(1, expected)
+            for k in plain:
+                k.close()
+        finally:
+            reference.stop()
+        got = torch.empty(TOTAL)
+        clients[0].pull(1, got)
+        assert torch.equal(got, expected)
+        first = [p for p in pieces if p.shard_id == 0]
+        for c in clients:
+            assert c.shared.counts.placed_pushes == len(pieces) - len(first)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_placed_must_fit_the_pieces_and_nothing_is_pushed_otherwise(cluster: Cluster) -> None:
+    c = client(cluster, Pins())
+    pieces = all_pieces(c)
+    out = torch.empty(TOTAL)
+    try:
+        targets = c.push_targets(pieces, 0)
+        with pytest.raises(InvalidRequest, match="placed names 1 pieces for a push of 6"):
+            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, targets[:1])
+        wrong = [torch.zeros(p.numel + 1) for p in pieces]
+        with pytest.raises(
+            InvalidRequest, match=r"piece \[0, 166\) placed in a cpu torch.float32 tensor of shape \(167,\)"
+        ):
+            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, wrong)
+        halves = [None, torch.zeros(pieces[1].numel, dtype=torch.float64), *[None] * (len(pieces) - 2)]
+        with pytest.raises(InvalidRequest, match="it needs a 1-D float32 host tensor of 167 elements"):
+            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, halves)
+        assert all(s.version == 0 and s.snapshot().pushes_waiting == 0 for s in cluster.shards)
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- the worker's side: BucketPusher with one device
+
+
+def one_bucket_plan(c: PsClient) -> BucketPlan:
+    """One parameter of ``TOTAL`` elements in one bucket, cut into the test shards' pieces."""
+    return BucketPlan((Bucket(0, 0, TOTAL, (0,), tuple(all_pieces(c))),), (0,), TOTAL)
+
+
+class FakeGpu:
+    """What ``Replica.stage_bucket`` does on a GPU, done by the CPU: copy each piece into its target or else the
+    staging buffer, and report the finiteness the device's sum would (or, ``flag``, a given verdict)."""
+
+    def __init__(self, grads: torch.Tensor, staging: torch.Tensor, flag: bool | None = None) -> None:
+        self.grads, self.staging, self.flag = grads, staging, flag
+        self.targets_seen: list[int] = []
+
+    def stage(self, bucket: Bucket, targets: Sequence[torch.Tensor | None]) -> StagedBucket:
+        for piece, target in zip(bucket.pieces, targets or [None] * len(bucket.pieces), strict=True):
+            into = self.staging[piece.start : piece.end] if target is None else target
+            into.copy_(self.grads[piece.start : piece.end])
+        self.targets_seen.append(sum(t is not None for t in targets))
+        flag = torch.isfinite(self.grads[bucket.start : bucket.end].sum()).reshape(1)
+        return StagedBucket(None, flag if self.flag is None else torch.tensor([self.flag]), tuple(targets))
+
+
+@pytest.mark.parametrize("place", [True, False], ids=["placed", "copied-by-the-client"])
+def test_a_one_device_pusher_places_its_buckets_and_checks_them_on_the_device(
+    cluster: Cluster, place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host_checks = []
+    monkeypatch.setattr(overlap, "all_finite", lambda t: host_checks.append(t.numel()) or all_finite(t))
+    clients = [client(cluster, Pins()) for _ in range(WORKERS)]
+    staging = [torch.zeros(TOTAL) for _ in clients]
+    params = [torch.empty(TOTAL) for _ in clients]
+    try:
+        plan = one_bucket_plan(clients[0])
+        pushers = [
+            BucketPusher(plan, 1, c, w, torch.empty(TOTAL), params[w], [staging[w]], True, place_on_device=place)
+            for w, c in enumerate(clients)
+        ]
+        gpus = []
+        for w, pusher in enumerate(pushers):
+            gpus.append(FakeGpu(gradient(0, w), staging[w]))
+            pusher.start(0)
+            pusher.gradient_ready(0, 0, gpus[-1].stage)
+        results = [p.finish() for p in pushers]
+        for r in results:
+            assert r.finite
+            for _, _, handle in r.handles:
+                handle.wait()
+            for pull in r.pulls.values():
+                assert pull.wait() == 1
+        assert torch.equal(params[0], params[1])
+        assert host_checks == []  # the device's finite sum stood for the host's pass
+        pieces = len(plan.buckets[0].pieces)
+        for w, (c, gpu) in enumerate(zip(clients, gpus, strict=True)):
+            assert gpu.targets_seen == [pieces if place else 0]
+            assert c.shared.counts.placed_pushes == (pieces if place else 0)
+            assert torch.equal(staging[w], torch.zeros(TOTAL) if place else gpu.grads)  # placed: the host copied none
+            bucket = plan.buckets[0]
+            assert pushers[w].host_gradient(results[w], bucket) is staging[w]  # what a repeated push would send
+            assert torch.equal(staging[w], gpu.grads)
+        for p in pushers:
+            p.close()
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("values", ["finite", "nan"])
+def test_a_device_sum_that_is_not_finite_leaves_the_verdict_to_the_host(cluster: Cluster, values: str) -> None:
+    """The device's flag says "look": the host's pass over the bucket decides, with the placed pieces gathered
+    from the push regions (a finite bucket whose device sum overflowed is pushed; a NaN is not)."""
+    c = client(cluster, Pins())
+    try:
+        plan = one_bucket_plan(c)
+        grads = gradient(0, 0)
+        if values == "nan":
+            grads[7] = float("nan")  # in the first piece: placed, so only the push region has it
+        staging = torch.zeros(TOTAL)
+        pusher = BucketPusher(plan, 1, c, 0, torch.empty(TOTAL), torch.empty(TOTAL), [staging], True, True)
+        pusher.start(0)
+        pusher.gradient_ready(0, 0, FakeGpu(grads, staging, flag=False).stage)
+        result = pusher.finish()
+        assert result.finite is (values == "finite")
+        assert [skipped for _, skipped, _ in result.handles] == [values == "nan"]
+        pusher.close()
+    finally:
+        c.close()
+
+
+def test_staged_bucket_flags() -> None:
+    assert not StagedBucket(None).surely_finite()
+    assert StagedBucket(None, torch.tensor([True])).surely_finite()
+    assert not StagedBucket(None, torch.tensor([False])).surely_finite()
+
+
+def test_host_pinning_is_for_one_gpu_only() -> None:
+    assert host_pinning.for_devices([torch.device("cpu")]) is None
+    assert host_pinning.for_devices([torch.device("cuda", 0), torch.device("cuda", 1)]) is None
+    expected = torch.cuda.is_available()
+    assert (host_pinning.for_devices([torch.device("cuda", 0)]) is not None) is expected
+
+
+# ---------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_page_locks_a_shared_memory_region_and_copies_a_bucket_into_it() -> None:
+    model = odd_mlp()
+    layout = ParamLayout.of(model)
+    region = shm_region.create(layout.total, shm_region.new_nonce())
+    try:
+        assert host_pinning.cuda_pin(region.data)
+        assert region.data.is_pinned()
+        replica = Replica.build(model, torch.device("cuda", 0), layout, pin=True, memory=None)
+        bucket = plan_buckets(layout, shard_ranges(layout.total, 2), 0).buckets[0]  # one bucket, two pieces
+        replica.flat_grads.copy_(torch.randn(layout.total))
+        first = bucket.pieces[0]
+        targets = [region.data[first.start : first.end], None]  # the first piece placed, the second staged
+        replica.staging.zero_()
+        staged = replica.stage_bucket(bucket, targets)
+        assert staged is not None
+        staged.wait()
+        assert staged.placed == tuple(targets) and staged.surely_finite()
+        expected = replica.flat_grads.cpu()
+        assert torch.equal(region.data[first.start : first.end], expected[first.start : first.end])
+        assert torch.equal(replica.staging[first.end :], expected[first.end :])
+        assert not replica.staging[: first.end].any()  # a placed piece does not cross PCIe twice
+        replica.flat_grads[3] = float("inf")
+        staged = replica.stage_bucket(bucket, ())
+        assert staged is not None
+        staged.wait()
+        assert staged.placed == () and not staged.surely_finite()
+        assert torch.equal(replica.staging, replica.flat_grads.cpu())
+        host_pinning.cuda_unpin(region.data)
+        assert not region.data.is_pinned()
+    finally:
+        region.close()
+        shm_region.unlink(region.path)
+
+
+def test_the_in_process_client_reads_placed_pieces_too() -> None:
+    """``LocalPsClient`` (through ``push_then_pull``) honours ``placed`` as the gRPC client does."""
+    initial = torch.randn(TOTAL, generator=torch.Generator().manual_seed(5))
+    grad = gradient(0, 0)
+    results = []
+    for place in (False, True):
+        shards = [
+            PiecedShard.build(pieces_of(r), initial[r.start : r.end].clone(), SGD, LR, 1)
+            for r in shard_ranges(TOTAL, 2)
+        ]
+        local = LocalPsClient(shards, pull_timeout_s=10)
+        pieces = [p for r in local.ranges for p in pieces_of(r)]
+        placed = [grad[p.start : p.end].clone() for p in pieces] if place else None
+        flat = torch.zeros(TOTAL) if place else grad
+        out = torch.empty(TOTAL)
+        pushed, pulled = local.push_pull_pieces(flat, pieces, 0, 0, 1, out, placed)
+        pushed.wait()
+        assert pulled.wait() == 1
+        if place:
+            assert not flat.any()  # gathered into a copy, the caller's vector untouched
+        results.append(out)
+        local.close()
+        for s in shards:
+            s.close()
+    assert torch.equal(results[0], results[1])
