@@ -264,10 +264,11 @@ class ParameterShard:
         push region). When it is the step's only contribution the update reads it in place instead of from a copy
         in the accumulator (issue 12: one pass less over the shard per step for a job of one worker, a GPU host's
         sum, say); a fused step's division by the device count then lands in it. Nothing refers to it once the
-        call has returned. Why the region may be read that late: the worker writes a piece's span again only for
-        the next step, after pulling the version this update publishes, or to retry this push, with the same
-        values (a duplicate, acknowledged unread); a fused kernel reads each element once, so even then it never
-        mixes two gradients (``_lone_contribution``).
+        call has returned. Why the region may be read that late: the worker writes a piece's span again (itself, or
+        its GPU's copy during backward: ``worker.overlap``) only for the next step, whose forward waits for the
+        version this update publishes, or to retry this push, with the same values (a duplicate, acknowledged
+        unread); a fused kernel reads each element once, so even then it never mixes two gradients
+        (``_lone_contribution``).
         """
         numel = self.numel if grad is None else grad.numel()
         dtype = self.push_dtype if grad is None else PUSH_DTYPES.get(grad.dtype, pb.DTYPE_UNSPECIFIED)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,30 +35,54 @@ class HostPinning:
     unpin: Callable[[torch.Tensor], None]  # before the memory is unmapped
 
 
-def cuda_pin(tensor: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
-        return False
-    error = int(
-        torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-            tensor.data_ptr(), tensor.numel() * tensor.element_size(), CUDA_HOST_REGISTER_PORTABLE
-        )
-    )
-    if error != CUDA_SUCCESS:
-        log.warning(
-            "cannot page-lock a shared-memory region of %.1f MiB for device copies (cudaError %d): its buckets "
-            "are staged and copied on the host instead",
-            tensor.numel() * tensor.element_size() / 2**20,
-            error,
-        )
-        return False
-    return True
+class CudaPinning:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` for one GPU's process, each call on a thread of its own.
 
+    Why a thread: torch's binding returns the call's error without clearing it, and the CUDA runtime keeps it as
+    that host thread's last error, which the next kernel launch on the thread would report. The first pin happens
+    on the autograd thread (its first bucket asks for the regions), where that would fail backward; on a helper
+    thread a refusal stays there. The helper selects the worker's GPU first, so no other GPU gets a context.
+    """
 
-def cuda_unpin(tensor: torch.Tensor) -> None:
-    torch.cuda.synchronize()  # no copy into the region may still be in flight (a job stopped during backward)
-    error = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))  # type: ignore[no-untyped-call]
-    if error != CUDA_SUCCESS:
-        log.warning("releasing a page-locked shared-memory region failed (cudaError %d)", error)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        """Page-lock ``tensor``'s memory; False (logged) where the driver refuses."""
+        if tensor.numel() == 0:
+            return False
+        size = tensor.numel() * tensor.element_size()
+        error = self._call(lambda rt: rt.cudaHostRegister(tensor.data_ptr(), size, CUDA_HOST_REGISTER_PORTABLE))
+        if error != CUDA_SUCCESS:
+            log.warning(
+                "cannot page-lock a shared-memory region of %.1f MiB for %s's copies (cudaError %d): its buckets "
+                "are staged and copied on the host instead",
+                size / 2**20,
+                self.device,
+                error,
+            )
+            return False
+        return True
+
+    def unpin(self, tensor: torch.Tensor) -> None:
+        """Release ``tensor``'s memory once the GPU is idle (no copy into it may be in flight); never raises, so a
+        closing client goes on closing whatever else it holds."""
+        try:
+            torch.cuda.synchronize(self.device)
+            error = self._call(lambda rt: rt.cudaHostUnregister(tensor.data_ptr()))
+        except RuntimeError as exc:  # a sticky CUDA error from elsewhere: the process's exit releases the pages
+            log.warning("could not release a page-locked shared-memory region: %s", exc)
+            return
+        if error != CUDA_SUCCESS:
+            log.warning("releasing a page-locked shared-memory region failed (cudaError %d)", error)
+
+    def _call(self, call: Callable[[Any], Any]) -> int:
+        def run() -> int:
+            torch.cuda.set_device(self.device)
+            return int(call(torch.cuda.cudart()))
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-pin") as pool:
+            return pool.submit(run).result()
 
 
 def for_devices(devices: list[torch.device]) -> HostPinning | None:
@@ -64,4 +90,5 @@ def for_devices(devices: list[torch.device]) -> HostPinning | None:
     else None: several devices' gradients are summed on the host before they leave, and a CPU copies anyway."""
     if len(devices) != 1 or devices[0].type != "cuda" or not torch.cuda.is_available():
         return None
-    return HostPinning(cuda_pin, cuda_unpin)
+    cuda = CudaPinning(torch.device("cuda", devices[0].index or 0))
+    return HostPinning(cuda.pin, cuda.unpin)

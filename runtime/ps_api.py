@@ -224,8 +224,10 @@ def push_then_pull(
     """``push_pull_pieces`` from ``push_pieces`` and ``pull_pieces``: the pull starts from the last acknowledgement's
     callback (so nothing waits for it) and its handle is one future, settled when the pull is. ``placed`` pieces
     are gathered into a copy of ``flat`` first (no transport here reads them in place)."""
+    check_push_buffer(flat, client.total)
+    check_pieces(pieces, client.ranges)
     sources = placed_sources(flat, pieces, placed)
-    if placed is not None and any(t is not None for t in placed):
+    if placed is not None and any(t is not None for t in placed):  # a test's client: a copy, the caller's untouched
         flat = flat.clone()
         for p, source in zip(pieces, sources, strict=True):
             flat[p.start : p.end] = source
@@ -297,10 +299,11 @@ def placed_sources(
         if source is None:
             sources.append(flat[p.start : p.end])
             continue
-        if source.dtype != torch.float32 or source.shape != (p.numel,) or source.device.type != "cpu":
+        fits = source.dtype == torch.float32 and source.shape == (p.numel,) and source.device.type == "cpu"
+        if not fits or not source.is_contiguous():
             raise InvalidRequest(
                 f"piece [{p.start}, {p.end}) placed in a {source.device.type} {source.dtype} tensor of shape "
-                f"{tuple(source.shape)}; it needs a 1-D float32 host tensor of {p.numel} elements"
+                f"{tuple(source.shape)}; it needs a contiguous 1-D float32 host tensor of {p.numel} elements"
             )
         sources.append(source)
     return sources

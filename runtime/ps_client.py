@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -80,6 +81,7 @@ from pstrain.runtime.shm_client import MappedPair, SharedMemory
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, full_service_name, open_channel
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ERRORS: dict[grpc.StatusCode, type[PsClientError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
@@ -372,7 +374,8 @@ class PsClient:
                 channel.close()  # in-flight RPCs end with CANCELLED
         self._pool.shutdown(wait=True, cancel_futures=cancel)
         self._pulls.shutdown(wait=True, cancel_futures=cancel)
-        self.shared.unmap()
+        log.info("closing; payloads moved: %s", self.shared.counts)
+        self.shared.unmap(unpin=not cancel)
         self.bulk.close()
         for channel in self._channels:
             channel.close()

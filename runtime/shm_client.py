@@ -158,19 +158,22 @@ class SharedMemory:
         except grpc.RpcError as exc:
             log.info("shard %d did not release its shared-memory regions: %s", shard_id, exc.code())
 
-    def unmap(self) -> None:
-        for shard_id, state in enumerate(self._state):
+    def unmap(self, unpin: bool = True) -> None:
+        """Drop every mapping. No push target is handed out once this starts; ``unpin`` releases the page-locked
+        regions first (while their pages are still mapped). A cancelled client passes False: its trainer's
+        thread may still be queueing a GPU copy into a target it got before, and the process is about to exit,
+        which releases them."""
+        pairs, self._retired = self._retired, []
+        for shard_id in range(len(self._state)):
+            with self._locks[shard_id]:
+                state, self._state[shard_id] = self._state[shard_id], _OFF
             if isinstance(state, MappedPair):
-                self._close(state)
-            self._state[shard_id] = _OFF
-        for pair in self._retired:
-            self._close(pair)
-
-    def _close(self, pair: MappedPair) -> None:
-        if pair.push_pinned and self._pinning is not None:  # while the pages are still mapped
-            self._pinning.unpin(pair.push.data)
-            pair.push_pinned = False
-        pair.close()
+                pairs.append(state)
+        for pair in pairs:
+            if unpin and pair.push_pinned and self._pinning is not None:
+                self._pinning.unpin(pair.push.data)
+                pair.push_pinned = False
+            pair.close()
 
     def _negotiate(self, shard_id: int, worker_id: int) -> MappedPair | str:
         host = self._addresses[shard_id].rpartition(":")[0]

@@ -45,7 +45,11 @@ class Pins:
                 self.pinned.append(t.data_ptr())
             return self.ok
 
-        return HostPinning(pin, lambda t: self.released.append(t.data_ptr()))
+        def unpin(t: torch.Tensor) -> None:
+            assert t.numel() > 0, "released after the region was unmapped"
+            self.released.append(t.data_ptr())
+
+        return HostPinning(pin, unpin)
 
 
 def client(cluster: Cluster, pins: Pins | None, shared_memory: bool = True, bf16: bool = False) -> PsClient:
@@ -74,6 +78,15 @@ def train(cluster: Cluster, place: bool, steps: int = 3) -> tuple[torch.Tensor, 
     into the push targets only (``flat`` holds zeros), as proof that a placed push is read from the region."""
     pins = [Pins() for _ in range(WORKERS)]
     clients = [client(cluster, p if place else None) for p in pins]
+    try:
+        return train_with(clients, pins, place, steps), clients
+    except BaseException:
+        for c in clients:
+            c.close(cancel=True)
+        raise
+
+
+def train_with(clients: list[PsClient], pins: list[Pins], place: bool, steps: int) -> torch.Tensor:
     pieces = all_pieces(clients[0])
     out = [torch.empty(TOTAL) for _ in clients]
     for step in range(steps):
@@ -97,7 +110,7 @@ def train(cluster: Cluster, place: bool, steps: int = 3) -> tuple[torch.Tensor, 
         assert c.shared.counts.placed_pushes == (steps * len(pieces) if place else 0)
         if place:
             assert len(p.pinned) == len(c.ranges)  # each shard's push region, once
-    return out[0], clients
+    return out[0]
 
 
 def test_placed_pieces_are_sent_from_the_region_and_train_bit_for_bit() -> None:
@@ -114,14 +127,32 @@ def test_placed_pieces_are_sent_from_the_region_and_train_bit_for_bit() -> None:
     assert torch.equal(results[True], results[False])
 
 
-def test_regions_are_released_before_they_are_unmapped(cluster: Cluster) -> None:
+@pytest.mark.parametrize("given_up", [False, True], ids=["in-use", "given-up"])
+def test_regions_are_released_before_they_are_unmapped(cluster: Cluster, given_up: bool) -> None:
+    """Released at ``close`` while still mapped (the stand-in checks), also a region the client gave up."""
     pins = Pins()
     c = client(cluster, pins)
-    targets = c.push_targets(all_pieces(c), 0)
-    assert len(pins.pinned) == 2 and pins.released == []
-    assert sorted({t.untyped_storage().data_ptr() for t in targets if t is not None}) == sorted(pins.pinned)
-    c.close()
+    try:
+        targets = c.push_targets(all_pieces(c), 0)
+        assert len(pins.pinned) == 2 and pins.released == []
+        assert sorted({t.untyped_storage().data_ptr() for t in targets if t is not None}) == sorted(pins.pinned)
+        if given_up:
+            c.shared.disable(0)
+            assert c.push_targets(all_pieces(c), 0)[:3] == [None] * 3  # shard 0's pieces: no target any more
+    finally:
+        c.close()
     assert sorted(pins.released) == sorted(pins.pinned)
+    assert c.shared.active == []
+
+
+def test_a_cancelled_client_leaves_the_regions_page_locked_to_the_exit(cluster: Cluster) -> None:
+    """The trainer's thread may still be copying into a target when a stopping worker cancels its client."""
+    pins = Pins()
+    c = client(cluster, pins)
+    c.push_targets(all_pieces(c), 0)
+    c.close(cancel=True)
+    assert len(pins.pinned) == 2 and pins.released == []
+    assert c.shared.active == [] and c.push_targets(all_pieces(c), 0) == [None] * 6
 
 
 @pytest.mark.parametrize("case", ["no-pinning", "pinning-refused", "shared-memory-off", "bfloat16-push"])
@@ -142,19 +173,21 @@ def test_no_targets_where_nothing_is_page_locked(cluster: Cluster, case: str) ->
         c.close()
 
 
-def test_a_placed_piece_whose_regions_were_given_up_is_streamed_from_its_span(cluster: Cluster) -> None:
-    """The shard refused the regions after the device wrote them: the piece is streamed from where it lies."""
+def test_a_placed_piece_whose_regions_the_shard_dropped_is_streamed_from_its_span(cluster: Cluster) -> None:
+    """Shard 0 drops its regions after the device wrote them: its push is refused (ABORTED), and the client
+    streams the piece from where it lies."""
     clients = [client(cluster, Pins()) for _ in range(WORKERS)]
     pieces = all_pieces(clients[0])
     out = torch.empty(TOTAL)
     handles = []
     try:
+        targets_of = [c.push_targets(pieces, w) for w, c in enumerate(clients)]
+        cluster.servicers[0].close_shared_memory()
         for w, c in enumerate(clients):
             grad = gradient(0, w)
-            targets = c.push_targets(pieces, w)
+            targets = targets_of[w]
             for p, t in zip(pieces, targets, strict=True):
                 t.copy_(grad[p.start : p.end])  # type: ignore[union-attr]
-            c.shared.disable(0)
             flat = torch.full((TOTAL,), float("nan"))  # never read: every piece is placed
             handles.append(c.push_pull_pieces(flat, pieces, w, 0, 1, out, targets)[0])
         for handle in handles:  # a piece pushed and pulled in one call is acknowledged once every worker pushed
@@ -175,7 +208,9 @@ def test_a_placed_piece_whose_regions_were_given_up_is_streamed_from_its_span(cl
         assert torch.equal(got, expected)
         first = [p for p in pieces if p.shard_id == 0]
         for c in clients:
-            assert c.shared.counts.placed_pushes == len(pieces) - len(first)
+            assert c.shared.counts.placed_pushes == len(pieces)  # shard 0's too, before its refusal
+            assert c.shared.counts.streamed_bytes >= sum(p.numel for p in first) * 4  # then streamed
+            assert c.shared.active == [1]  # shard 0's refusal turned its regions off
     finally:
         for c in clients:
             c.close()
@@ -194,9 +229,15 @@ def test_placed_must_fit_the_pieces_and_nothing_is_pushed_otherwise(cluster: Clu
             InvalidRequest, match=r"piece \[0, 166\) placed in a cpu torch.float32 tensor of shape \(167,\)"
         ):
             c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, wrong)
-        halves = [None, torch.zeros(pieces[1].numel, dtype=torch.float64), *[None] * (len(pieces) - 2)]
-        with pytest.raises(InvalidRequest, match="it needs a 1-D float32 host tensor of 167 elements"):
-            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, halves)
+        doubles = [None, torch.zeros(pieces[1].numel, dtype=torch.float64), *[None] * (len(pieces) - 2)]
+        with pytest.raises(InvalidRequest, match="it needs a contiguous 1-D float32 host tensor of 167 elements"):
+            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, doubles)
+        elsewhere = [torch.zeros(p.numel, device="meta") for p in pieces]
+        with pytest.raises(InvalidRequest, match=r"placed in a meta torch.float32 tensor"):
+            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, elsewhere)
+        strided = [torch.zeros(2 * p.numel)[::2] for p in pieces]
+        with pytest.raises(InvalidRequest, match="it needs a contiguous"):
+            c.push_pull_pieces(gradient(0, 0), pieces, 0, 0, 1, out, strided)
         assert all(s.version == 0 and s.snapshot().pushes_waiting == 0 for s in cluster.shards)
     finally:
         c.close()
@@ -236,12 +277,12 @@ def test_a_one_device_pusher_places_its_buckets_and_checks_them_on_the_device(
     clients = [client(cluster, Pins()) for _ in range(WORKERS)]
     staging = [torch.zeros(TOTAL) for _ in clients]
     params = [torch.empty(TOTAL) for _ in clients]
+    plan = one_bucket_plan(clients[0])
+    pushers = [
+        BucketPusher(plan, 1, c, w, torch.empty(TOTAL), params[w], [staging[w]], True, place_on_device=place)
+        for w, c in enumerate(clients)
+    ]
     try:
-        plan = one_bucket_plan(clients[0])
-        pushers = [
-            BucketPusher(plan, 1, c, w, torch.empty(TOTAL), params[w], [staging[w]], True, place_on_device=place)
-            for w, c in enumerate(clients)
-        ]
         gpus = []
         for w, pusher in enumerate(pushers):
             gpus.append(FakeGpu(gradient(0, w), staging[w]))
@@ -264,9 +305,9 @@ def test_a_one_device_pusher_places_its_buckets_and_checks_them_on_the_device(
             bucket = plan.buckets[0]
             assert pushers[w].host_gradient(results[w], bucket) is staging[w]  # what a repeated push would send
             assert torch.equal(staging[w], gpu.grads)
+    finally:
         for p in pushers:
             p.close()
-    finally:
         for c in clients:
             c.close()
 
@@ -276,20 +317,20 @@ def test_a_device_sum_that_is_not_finite_leaves_the_verdict_to_the_host(cluster:
     """The device's flag says "look": the host's pass over the bucket decides, with the placed pieces gathered
     from the push regions (a finite bucket whose device sum overflowed is pushed; a NaN is not)."""
     c = client(cluster, Pins())
+    plan = one_bucket_plan(c)
+    grads = gradient(0, 0)
+    if values == "nan":
+        grads[7] = float("nan")  # in the first piece: placed, so only the push region has it
+    staging = torch.zeros(TOTAL)
+    pusher = BucketPusher(plan, 1, c, 0, torch.empty(TOTAL), torch.empty(TOTAL), [staging], True, True)
     try:
-        plan = one_bucket_plan(c)
-        grads = gradient(0, 0)
-        if values == "nan":
-            grads[7] = float("nan")  # in the first piece: placed, so only the push region has it
-        staging = torch.zeros(TOTAL)
-        pusher = BucketPusher(plan, 1, c, 0, torch.empty(TOTAL), torch.empty(TOTAL), [staging], True, True)
         pusher.start(0)
         pusher.gradient_ready(0, 0, FakeGpu(grads, staging, flag=False).stage)
         result = pusher.finish()
         assert result.finite is (values == "finite")
         assert [skipped for _, skipped, _ in result.handles] == [values == "nan"]
-        pusher.close()
     finally:
+        pusher.close()
         c.close()
 
 
@@ -314,10 +355,15 @@ def test_cuda_page_locks_a_shared_memory_region_and_copies_a_bucket_into_it() ->
     model = odd_mlp()
     layout = ParamLayout.of(model)
     region = shm_region.create(layout.total, shm_region.new_nonce())
+    cuda = host_pinning.CudaPinning(torch.device("cuda", 0))
+    pinned = False
     try:
-        assert host_pinning.cuda_pin(region.data)
-        assert region.data.is_pinned()
+        pinned = cuda.pin(region.data)
+        assert pinned and region.data.is_pinned()
+        assert not cuda.pin(region.data)  # registered already: refused on the helper thread, nothing left behind
+        torch.ones(4, device="cuda").sum().item()  # a launch on this thread still succeeds
         replica = Replica.build(model, torch.device("cuda", 0), layout, pin=True, memory=None)
+        replica.finite_flags = {}  # as ReplicaSet sets it for one GPU
         bucket = plan_buckets(layout, shard_ranges(layout.total, 2), 0).buckets[0]  # one bucket, two pieces
         replica.flat_grads.copy_(torch.randn(layout.total))
         first = bucket.pieces[0]
@@ -337,9 +383,12 @@ def test_cuda_page_locks_a_shared_memory_region_and_copies_a_bucket_into_it() ->
         staged.wait()
         assert staged.placed == () and not staged.surely_finite()
         assert torch.equal(replica.staging, replica.flat_grads.cpu())
-        host_pinning.cuda_unpin(region.data)
+        cuda.unpin(region.data)
+        pinned = False
         assert not region.data.is_pinned()
     finally:
+        if pinned:
+            cuda.unpin(region.data)
         region.close()
         shm_region.unlink(region.path)
 

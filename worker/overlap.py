@@ -72,7 +72,9 @@ class StagedBucket:
 
     def gather(self, bucket: Bucket, into: torch.Tensor) -> None:
         """Copy the placed pieces into ``into`` (the host buffer), which then holds the whole bucket."""
-        for piece, target in zip(bucket.pieces, self.placed, strict=False):
+        if not self.placed:
+            return
+        for piece, target in zip(bucket.pieces, self.placed, strict=True):
             if target is not None:
                 into[piece.start : piece.end].copy_(target)
 

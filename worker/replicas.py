@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ class Replica:
     offload: SwapToHost | None = None  # swap-out of saved activations, per the job's memory plan
     param_offload: ParamOffload | None = None  # whole-layer offload: host buffers shared by the host's replicas
     copy_stream: torch.cuda.Stream | None = None  # the per-bucket gradient copies (``stage_bucket``), made lazily
-    finite_flags: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: pinned bool[1] (stage_bucket)
+    finite_flags: dict[int, torch.Tensor] | None = None  # per bucket: pinned bool[1] (stage_bucket); None: not made
 
     @classmethod
     def build(
@@ -126,8 +126,12 @@ class Replica:
         Both buffers live as long as the replica, so the caching allocator needs no ``record_stream``.
 
         ``targets`` (one GPU, ``worker.overlap``): per piece of the bucket, page-locked host memory the piece is
-        copied into instead of ``staging`` (None: into ``staging``). The side stream also sums the bucket and copies
-        whether that sum is finite into a pinned flag, read by the sender after the event.
+        copied into instead of ``staging`` (None: into ``staging``): its span of a shard's push region. The shard
+        reads that span for the previous step only until it publishes that step's version of the piece, which
+        this step's forward waited for before the bucket's backward could begin (``BucketLoader``), so nothing
+        reads a span while this copy writes it. With ``finite_flags`` (one device, whose copy is the host sum)
+        the side stream also sums the bucket and copies whether that sum is finite into a pinned flag, read by
+        the sender after the event.
         """
         if targets and len(targets) != len(bucket.pieces):
             raise ValueError(f"{len(targets)} push targets for a bucket of {len(bucket.pieces)} pieces")
@@ -135,9 +139,11 @@ class Replica:
             return None
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(self.device)
-        flag = self.finite_flags.get(bucket.index)
-        if flag is None:
-            flag = self.finite_flags[bucket.index] = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        flag = None
+        if self.finite_flags is not None:
+            flag = self.finite_flags.get(bucket.index)
+            if flag is None:
+                flag = self.finite_flags[bucket.index] = torch.empty(1, dtype=torch.bool, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             grads = self.flat_grads[bucket.start : bucket.end]
@@ -147,7 +153,8 @@ class Replica:
                     into.copy_(self.flat_grads[piece.start : piece.end], non_blocking=True)
             else:
                 self.staging[bucket.start : bucket.end].copy_(grads, non_blocking=True)
-            flag.copy_(torch.isfinite(grads.sum()).reshape(1), non_blocking=True)
+            if flag is not None:
+                flag.copy_(torch.isfinite(grads.sum()).reshape(1), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return StagedBucket(event, flag, tuple(targets))
@@ -195,6 +202,8 @@ class ReplicaSet:
             )
             for i, d in enumerate(devices)
         ]
+        if self.places_on_device:  # one GPU: its copy of a bucket is the host sum, so its own check stands
+            self.replicas[0].finite_flags = {}
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="replica")
         self._hooks: list[Any] = []  # removable handles of the S4 hooks (``attach``)
         self._losses: list[torch.Tensor] = []  # from ``forward``, for ``backward``
