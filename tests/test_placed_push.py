@@ -8,14 +8,17 @@ the test writes the spans as the GPU would; the CUDA-only tests at the bottom do
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.local_client import LocalPsClient
 from pstrain.ps_server.pieces import PiecedShard
+from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.runtime import host_pinning, shm_region
 from pstrain.runtime.buckets import Bucket, BucketPlan, plan_buckets
 from pstrain.runtime.host_pinning import HostPinning
@@ -24,11 +27,30 @@ from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.ps_api import InvalidRequest
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
+from pstrain.runtime.transport import start_server
 from pstrain.worker import overlap
+from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.overlap import BucketPusher, StagedBucket
-from pstrain.worker.replicas import Replica
+from pstrain.worker.replicas import Replica, ReplicaSet
+from pstrain.worker.trainer import Trainer
 from tests.helpers import odd_mlp
+from tests.test_overlap import build_shards as overlap_shards
 from tests.test_shm_path import LR, SGD, TOTAL, WORKERS, Cluster, pieces_of, start_cluster
+from tests.test_trainer import (
+    DATA,
+    DEVICES,
+    LAYOUT,
+    PER_DEVICE,
+    PS_SHARDS,
+    STEPS,
+    ListSource,
+    Reporter,
+    final_parameters,
+    reference,
+    seeded_model,
+    start,
+    worker_samples,
+)
 
 
 @dataclass
@@ -418,3 +440,56 @@ def test_the_in_process_client_reads_placed_pieces_too() -> None:
         for s in shards:
             s.close()
     assert torch.equal(results[0], results[1])
+
+
+def test_a_one_gpu_trainer_stand_in_places_its_pieces_and_trains_like_one_process() -> None:
+    """The trainer's whole path with a stand-in for the GPU: one device per worker with a staging buffer of its own
+    (so the trainer asks for push targets), whose copies ``FakeGpu`` makes; real gRPC shards cut into pieces."""
+    shards = overlap_shards(workers=2)
+    servers = []
+    for shard in shards:
+        servicer = ParameterServerServicer()
+        server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
+        servicer.attach(shard, 64)
+        server.set_serving(True)
+        servers.append(server)
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    pins = [Pins() for _ in range(2)]
+    trainers: list[Trainer] = []
+    try:
+        for w in range(2):
+            ps = PsClient(addresses, LAYOUT.total, chunk_bytes=64, pull_timeout_s=60, pinning=pins[w].pinning())
+            replicas = ReplicaSet(seeded_model, [torch.device("cpu")], LAYOUT)
+            replica = replicas.replicas[0]
+            replica.staging = torch.zeros(LAYOUT.total)  # as a GPU's pinned buffer: the gradient is copied out
+            gpu = FakeGpu(replica.flat_grads, replica.staging)
+            replica.stage_bucket = gpu.stage  # type: ignore[method-assign]
+            assert replicas.places_on_device
+            job = pb.JobSpec(
+                steps=STEPS, per_device_batch=DEVICES * PER_DEVICE, total_params=LAYOUT.total, bucket_bytes=64
+            )
+            feed = DataFeed(DATA, ListSource(w, worker_samples(w)))
+            trainer = Trainer(
+                w, job, replicas, ps, feed, torch.nn.functional.cross_entropy, Reporter(), threading.Event()
+            )
+            trainers.append(trainer)
+        runs = [start(t) for t in trainers]
+        for thread, _ in runs:
+            thread.join(120)
+            assert not thread.is_alive(), "a trainer hung"
+        assert [outcome for _, outcome in runs] == [{"ran": STEPS}, {"ran": STEPS}]
+        expected = reference(workers=2)
+        torch.testing.assert_close(final_parameters(shards), expected, rtol=1e-5, atol=1e-6)  # type: ignore[arg-type]
+        pieces = sum(len(b.pieces) for b in trainers[0].plan.buckets)
+        for t, p in zip(trainers, pins, strict=True):
+            assert t.ps.shared.counts.placed_pushes == STEPS * pieces  # type: ignore[attr-defined]
+            assert len(p.pinned) == PS_SHARDS
+            assert not t.replicas.replicas[0].staging.any()  # every piece went to its push region, none to staging
+    finally:
+        for t in trainers:
+            t.ps.close(cancel=True)
+            t.replicas.close()
+        for shard in shards:
+            shard.close()
+        for server in servers:
+            server.stop(0)

@@ -117,7 +117,8 @@ class BucketPusher:
         skip_nonfinite: bool,
         place_on_device: bool = False,
     ) -> None:
-        """``place_on_device``: the one device is a GPU that copies each bucket into its ``push_targets`` too."""
+        """``place_on_device``: the one device is a GPU that copies each piece into its ``push_targets`` span, where
+        it has one, instead of into ``staging``."""
         self.plan = plan
         self.devices = devices
         self.ps = ps
