@@ -48,6 +48,23 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _free_octet() -> int:
+    """A 10.231.X.0/24 that no address or route here uses yet.
+
+    A namespace left by a run that was killed before its finalizer keeps its veth, address and
+    route; a new pair on the same /24 would lose its traffic to that stale link (the older route
+    wins), and worker B would never reach the coordinator.
+    """
+    used = "".join(
+        subprocess.run(["ip", "-4", "-o", *args], check=True, capture_output=True, text=True).stdout
+        for args in (("addr", "show"), ("route", "show", "table", "all"))
+    )
+    free = [octet for octet in range(16, 250) if f"10.231.{octet}." not in used]
+    if not free:
+        pytest.skip("every 10.231.X.0/24 for the test's veth pair is in use here")
+    return random.choice(free)
+
+
 @pytest.fixture
 def namespace(request):
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -64,7 +81,7 @@ def namespace(request):
         subprocess.run(["ip", "link", "del", ns.host_link], capture_output=True)
 
     request.addfinalizer(clean)
-    octet = random.Random(tag).randrange(16, 250)
+    octet = _free_octet()
     host_ip, ns_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
     _ip("link", "add", ns.host_link, "type", "veth", "peer", "name", f"vn{tag}")
     _ip("link", "set", f"vn{tag}", "netns", ns.name)
