@@ -185,7 +185,7 @@ class ShardDataPlane:
         async with self._staging_slots:
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # h.dtype is the job's push dtype (checked)
             pushing: asyncio.Future[PushResult] | None = None
-            receiving: asyncio.Future[torch.Tensor] | None = None
+            executor: ThreadPoolExecutor | None = None  # the loop's default
             adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
             lent = False  # the payload is read where it lies in the worker's push region (``ParameterShard.push``)
             try:
@@ -202,13 +202,9 @@ class ShardDataPlane:
                 elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
                     if await anext(payload, None) is not None:
                         raise InvalidArgument("a bulk push carries its header only")
-                    # Read in a bulk thread, shielded: a cancelled push keeps its buffer until the read has ended.
-                    timeout_s = bounded(time_left(), self.push_timeout_s)
-                    receiving = asyncio.get_running_loop().run_in_executor(
-                        self._bulk_io, _received, bulk, buf, timeout_s
-                    )
-                    await asyncio.shield(receiving)
-                    take = receiving.result
+                    # Read by the bulk thread that then pushes (one thread hop, not two; shielded below).
+                    take = functools.partial(_received, bulk, buf, bounded(time_left(), self.push_timeout_s))
+                    executor = self._bulk_io
                 else:
                     assembler = TensorAssembler(buf.dtype, h.numel, out=buf)
                     async for part in payload:
@@ -224,16 +220,16 @@ class ShardDataPlane:
                         h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle, lent=lent
                     )
 
-                pushing = asyncio.get_running_loop().run_in_executor(None, call)
+                pushing = asyncio.get_running_loop().run_in_executor(executor, call)
                 pushing.add_done_callback(self._moved_by(piece))
-                # Shielded: a cancelled RPC must not hand the buffer to another push while the shard reads it.
+                # Shielded: a cancelled RPC must not hand the buffer to another push while the shard (or the
+                # bulk socket) writes or reads it.
                 result = await asyncio.shield(pushing)
             finally:
-                running = next((f for f in (receiving, pushing) if f is not None and not f.done()), None)
-                if running is None:
+                if pushing is None or pushing.done():
                     self._pool.release(adopted[0] if adopted else buf)
                 else:
-                    running.add_done_callback(lambda _: self._pool.release(adopted[0] if adopted else buf))
+                    pushing.add_done_callback(lambda _: self._pool.release(adopted[0] if adopted else buf))
         metrics.BYTES_PUSHED.inc(h.numel * buf.element_size())
         _observe_push(started, result)
         return result
