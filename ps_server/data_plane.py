@@ -6,7 +6,7 @@ codes; this holds the rest, on the server's event loop, and is driven without a 
 * Push copies each chunk's payload into a staging buffer as it arrives (the bytes were already
   on the loop: gRPC's asyncio layer receives them there) and calls the shard in a worker thread,
   since the shard's lock may be held by an update. A bulk push's payload is read from its raw
-  socket straight into the staging buffer (issue 12), in an I/O thread of its own.
+  socket straight into the staging buffer (issue 12) by a bulk I/O thread, which then calls the shard.
 * A worker on this host may have shared-memory regions (``ps_server.shm``); its pushes then carry
   only the header (the piece is in its push region) and its pulls are answered header-only (the
   piece is copied into its pull region, or named on the board). One thread hop per push, in
@@ -42,7 +42,11 @@ from pstrain.runtime.bulk_socket import MIN_TIMEOUT_S
 
 PUSHES_STAGED = 8  # pushes receiving at once, each into a shard-sized buffer; the rest wait unread
 BULK_TIMEOUT_S = 600.0  # a bulk push's transfer, before pstrain-ps sets the job's transport.push_timeout_s
-BULK_IO_THREADS = 16  # bulk payloads moving at once (each a blocking send or receive); more wait their turn
+# Bulk payloads moving at once (each a blocking send, or a receive and then the shard's push); more wait their turn.
+BULK_IO_THREADS = 16
+# A bulk push holds its thread while the shard takes it, which may wait for the shard's lock (an update; a layerwise
+# optimizer's norm exchange): staged pushes alone must never take every bulk thread, or pulls could not be sent.
+assert PUSHES_STAGED < BULK_IO_THREADS
 PULL_AT_THREADS = 2  # replacements reading a held version at once (rare: one per failed worker); more wait
 
 Admit = Callable[[], AbstractContextManager[float]]
@@ -97,8 +101,9 @@ class ShardDataPlane:
         self._regions: SharedRegions | None = None
         self._marks: dict[int | None, VersionMarks] = {}  # piece start (None: the whole shard) -> shm and bulk marks
         self.bulk = BulkSockets()  # issue 12: remote workers' payloads on raw sockets (``bulk.enabled = False``: off)
-        # Bulk payloads move in threads of their own, never the loop's default executor (the pushes' checks and
-        # updates): a slow reader of pulls cannot starve pushes. Each move is bounded by the job's timeouts.
+        # Bulk payloads move in threads of their own, never the loop's default executor (the checks and updates of
+        # streamed and shared-memory pushes): a slow reader of pulls cannot starve those. Each move is bounded by
+        # the job's timeouts; a bulk push's thread then waits for the shard to take it (``PUSHES_STAGED``).
         self._bulk_io = ThreadPoolExecutor(max_workers=BULK_IO_THREADS, thread_name_prefix="bulk-io")
         # A replacement's PullAt may wait for the live workers' pushes: never in the threads the pushes need.
         self._pull_at_io = ThreadPoolExecutor(max_workers=PULL_AT_THREADS, thread_name_prefix="pull-at")
@@ -202,7 +207,7 @@ class ShardDataPlane:
                 elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
                     if await anext(payload, None) is not None:
                         raise InvalidArgument("a bulk push carries its header only")
-                    # Read by the bulk thread that then pushes (one thread hop, not two; shielded below).
+                    # Read by the bulk thread that then pushes (one hop after the duplicate check, not two).
                     take = functools.partial(_received, bulk, buf, bounded(time_left(), self.push_timeout_s))
                     executor = self._bulk_io
                 else:

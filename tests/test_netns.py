@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -65,11 +66,28 @@ def _free_octet() -> int:
     return random.choice(free)
 
 
+def _sweep_stale() -> None:
+    """Delete the namespaces (and their host links) of test runs whose process is gone: a run killed before its
+    finalizer leaves them for good. Names carry the creating pid (``pst<pid>x<tag>``); a live run's are kept."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for match in re.finditer(r"^pst(\d+)x([0-9a-f]{4})\b", listed, re.MULTILINE):
+        try:
+            os.kill(int(match[1]), 0)
+            continue  # its run is alive (or the pid was reused: kept, harmless)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        subprocess.run(["ip", "netns", "del", match[0]], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"vh{match[1]}x{match[2]}"], capture_output=True)
+
+
 @pytest.fixture
 def namespace(request):
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2")
-    tag = uuid.uuid4().hex[:6]
+    _sweep_stale()
+    tag = f"{os.getpid()}x{uuid.uuid4().hex[:4]}"  # interface names: at most 15 characters ("vh" + 7 + 1 + 4)
     ns = Namespace(f"pst{tag}", f"vh{tag}", "", "")
     try:
         _ip("netns", "add", ns.name)
