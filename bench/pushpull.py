@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pstrain.protos import pstrain_pb2 as pb  # noqa: E402
+from pstrain.ps_server.optimizer import update_threads  # noqa: E402
 from pstrain.ps_server.pieces import PiecedShard  # noqa: E402
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server  # noqa: E402
 from pstrain.ps_server.shard import ParameterShard  # noqa: E402
@@ -71,7 +72,7 @@ def model_pieces(total: int, shards: int, piece_bytes: int) -> list[ShardRange]:
 
 
 def serve_shard(shard_id: int, total: int, shards: int, chunk_bytes: int, piece_bytes: int, conn: Connection) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(update_threads())  # as pstrain-ps sets them (1 on 2 cores, at most 4)
     r = shard_ranges(total, shards)[shard_id]
     servicer = ParameterServerServicer()
     server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
@@ -157,7 +158,7 @@ def time_pushpull(
 def time_shard_alone(total: int, steps: int) -> list[float]:
     """The shard's share of a step: a push that completes the step, without gRPC. As a received push, the gradient
     is in a buffer the shard may keep as its accumulator (handing back the old one to receive the next push into)."""
-    torch.set_num_threads(1)  # as serve_shard
+    torch.set_num_threads(update_threads())  # as serve_shard
     shard = ParameterShard(0, 0, total, torch.zeros(total), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(), 1)
     grads = torch.randn(total)
     received = torch.empty(total)
@@ -431,7 +432,8 @@ def main() -> int:
         f"torch {torch.__version__}, grpcio {grpc.__version__}. Model: {args.params:,} float32 parameters "
         f"({nbytes / MB:.0f} MB), one worker, {args.steps} timed steps after 2 warm-up steps (median). "
         "Throughput = 2 x model bytes / step time. PS shards and peers run in separate processes on loopback; "
-        "every pstrain step includes the shard's SGD update, timed alone in the last row (no wire).",
+        f"every pstrain step includes the shard's SGD update ({update_threads()} intra-op thread(s) per shard, as "
+        "pstrain-ps sets them), timed alone in the last row (no wire).",
         "",
         "| what | median time per step | throughput |",
         "|---|---:|---:|",
