@@ -157,6 +157,16 @@ class ParameterServerStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
                 _registered_method=True)
+        self.PushBulk = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/PushBulk',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushHeader.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.PullBulk = channel.unary_unary(
+                '/pstrain.v1.ParameterServer/PullBulk',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -228,6 +238,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBulk(self, request, context):
+        """Issue 12: a remote worker's push and pull whose payload moves on its bulk socket (bulk_ticket) as unary calls,
+        which cost both ends less CPU than the streams; Push and Pull still take a bulk_ticket (older workers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBulk(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -278,6 +302,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'PullShared': grpc.unary_unary_rpc_method_handler(
                     servicer.PullShared,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.SerializeToString,
+            ),
+            'PushBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushBulk,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PushHeader.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PushReply.SerializeToString,
+            ),
+            'PullBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBulk,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.PullRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.PullReply.SerializeToString,
             ),
@@ -550,6 +584,60 @@ class ParameterServer:
             request,
             target,
             '/pstrain.v1.ParameterServer/PullShared',
+            pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/PushBulk',
+            pstrain_dot_protos_dot_pstrain__pb2.PushHeader.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.ParameterServer/PullBulk',
             pstrain_dot_protos_dot_pstrain__pb2.PullRequest.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.PullReply.FromString,
             options,

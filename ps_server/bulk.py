@@ -8,8 +8,9 @@ moving the payload elsewhere. A bulk socket carries payload bytes and nothing el
 writes straight from the tensor's memory (``sendall``), the receiver reads straight into its
 destination (``recv_into``), so the only copies are the kernel's, as for raw TCP.
 
-Every header, check, error and acknowledgement stays on gRPC (the same Push and Pull RPCs, a
-``bulk_ticket`` in the header), so the stream's semantics hold unchanged.
+Every header, check, error and acknowledgement stays on gRPC (``PushBulk`` and ``PullBulk``, unary calls whose
+header names a ``bulk_ticket``; the Push and Pull streams take one too, for older workers), so the stream's
+semantics hold unchanged.
 
 Handshake: a worker gets a nonce from ``OpenBulk`` (an authenticated RPC, only for its own
 credential, never over TLS, since these bytes are plaintext), connects to the shard's bulk port
@@ -27,7 +28,7 @@ the address the shard registered (``--advertise-host``), never to an address the
 ``--no-bulk`` or ``transport.bulk_sockets: off`` refuse every grant, so every client streams.
 
 A call names its ticket in the clear; the socket it names is checked out only after the caller's
-credential is checked (Push: ``ShardGate.check_push``; Pull: a member's credential, then the ticket's
+credential is checked (a push: ``ShardGate.check_push``; a pull: a member's credential, then the ticket's
 owner, ``owner``), and a ticket named with another worker's id is refused without touching the
 socket: a peer that has seen a ticket but lacks its worker's credential can neither use nor close
 that worker's socket, and a caller without a credential is refused alike whether the ticket exists.

@@ -161,9 +161,10 @@ class ShardDataPlane:
     # ------------------------------------------------------------------ push
 
     async def push(
-        self, h: PushCall, bulk: BulkSocket | None, payload: AsyncIterator[PushPart], time_left: TimeLeft
+        self, h: PushCall, bulk: BulkSocket | None, payload: AsyncIterator[PushPart] | None, time_left: TimeLeft
     ) -> PushResult:
-        """A push whose payload follows as chunks of ``payload``, on ``bulk``, or in the worker's push region."""
+        """A push whose payload follows as chunks of ``payload``, on ``bulk``, or in the worker's push region
+        (``payload`` None: a unary call, no chunks can follow)."""
         shard = self.shard
         piece = h.piece
         started = time.perf_counter()
@@ -177,11 +178,17 @@ class ShardDataPlane:
                 return None
             return shard.version if piece is None else shard.piece(piece, h.numel).version
 
-        duplicate = await asyncio.to_thread(duplicate_at)
-        if duplicate is not None:
-            return PushResult(duplicate, duplicate=True, completed=False)
+        # A bulk push's step is checked by the bulk thread that then reads its payload (one thread hop in all, not
+        # two; a duplicate's payload is left unread there as here); what sizes its buffer is checked here, first.
+        checked = bulk is None or h.skip
+        if not checked:
+            shard.check_header(h.shard_id, h.worker_id, h.device_count, h.dtype, h.numel, piece_start=piece)
+        else:
+            duplicate = await asyncio.to_thread(duplicate_at)
+            if duplicate is not None:
+                return PushResult(duplicate, duplicate=True, completed=False)
         if h.skip:
-            if await anext(payload, None) is not None:
+            if payload is not None and await anext(payload, None) is not None:
                 raise InvalidArgument("a push that skips its step carries no payload")
             skip = functools.partial(shard.push, skip=True, piece_start=piece)
             skipping = asyncio.ensure_future(asyncio.to_thread(skip, h.worker_id, h.step, None, h.device_count))
@@ -202,15 +209,17 @@ class ShardDataPlane:
                         take, lent = functools.partial(regions.view, pair, where), True
                     else:
                         take = functools.partial(regions.take, pair, where, buf)
-                    if await anext(payload, None) is not None:
+                    if payload is not None and await anext(payload, None) is not None:
                         raise InvalidArgument("a shared-memory push carries its header only")
                 elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
-                    if await anext(payload, None) is not None:
+                    if payload is not None and await anext(payload, None) is not None:
                         raise InvalidArgument("a bulk push carries its header only")
-                    # Read by the bulk thread that then pushes (one hop after the duplicate check, not two).
+                    # Read by the bulk thread that then pushes.
                     take = functools.partial(_received, bulk, buf, bounded(time_left(), self.push_timeout_s))
                     executor = self._bulk_io
                 else:
+                    if payload is None:
+                        raise InvalidArgument("a push names its transport: chunks, a bulk socket or a push region")
                     assembler = TensorAssembler(buf.dtype, h.numel, out=buf)
                     async for part in payload:
                         if part.chunk is None:
@@ -219,6 +228,10 @@ class ShardDataPlane:
                     take = assembler.result
 
                 def call() -> PushResult:
+                    if not checked:
+                        duplicate = duplicate_at()
+                        if duplicate is not None:
+                            return PushResult(duplicate, duplicate=True, completed=False)
                     grad = take()
                     recycle = adopted.append if grad is buf else None
                     return shard.push(
@@ -235,6 +248,8 @@ class ShardDataPlane:
                     self._pool.release(adopted[0] if adopted else buf)
                 else:
                     pushing.add_done_callback(lambda _: self._pool.release(adopted[0] if adopted else buf))
+        if result.duplicate:
+            return result
         metrics.BYTES_PUSHED.inc(h.numel * buf.element_size())
         _observe_push(started, result)
         return result

@@ -183,12 +183,26 @@ class PiecedShard:
         """``ParameterShard.check_push`` for one piece, or for every piece of a whole-shard push."""
         if piece_start is not None:
             return self.piece(piece_start, numel).check_push(shard_id, worker_id, step, device_count, dtype, numel)
+        self._check_whole(numel)
+        duplicates = [p.check_push(shard_id, worker_id, step, device_count, dtype, p.numel) for p in self.pieces]
+        return all(duplicates)
+
+    def check_header(
+        self, shard_id: int, worker_id: int, device_count: int, dtype: int, numel: int, piece_start: int | None = None
+    ) -> None:
+        """``ParameterShard.check_header`` (no lock) for one piece or the whole shard: every piece has the same job."""
+        if piece_start is not None:
+            self.piece(piece_start, numel).check_header(shard_id, worker_id, device_count, dtype, numel)
+            return
+        self._check_whole(numel)
+        first = self.pieces[0]
+        first.check_header(shard_id, worker_id, device_count, dtype, first.numel)
+
+    def _check_whole(self, numel: int) -> None:
         if numel != self.numel:
             raise InvalidArgument(
                 f"shard {self.shard_id} owns {self.numel} elements [{self.start}, {self.end}), push has {numel}"
             )
-        duplicates = [p.check_push(shard_id, worker_id, step, device_count, dtype, p.numel) for p in self.pieces]
-        return all(duplicates)
 
     def push(
         self,

@@ -122,13 +122,30 @@ class ParameterServerServicer:
         self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
         if h.pull_after:
             raise InvalidArgument("pull_after is for PushShared (a colocated worker's piece); a Push stream cannot")
+        return await self._push(h, request_iterator, context)
+
+    @translate
+    async def PushBulk(self, h: pb.PushHeader, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        """Issue 12: a remote worker's push whose payload follows on its bulk socket, as one unary call (a ``Push``
+        stream of one header costs both ends more CPU per piece). Same checks as ``Push``, in the same order."""
+        self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
+        if not h.bulk_ticket or h.shm_nonce or h.pull_after or h.skip:
+            raise InvalidArgument(
+                "PushBulk carries a bulk_ticket and nothing of the other transports; a skip or a streamed "
+                "payload goes through Push, a shared-memory piece through PushShared"
+            )
+        return await self._push(h, None, context)
+
+    async def _push(
+        self, h: pb.PushHeader, payload: AsyncIterator[PushPart] | None, context: grpc.aio.ServicerContext
+    ) -> pb.PushReply:
         # Issue 12: a bulk push's payload follows on that socket, which this push owns until it ends; the socket
         # is kept only if the push read exactly its payload and succeeded (a refusal or a duplicate leaves it
         # unread; a refusal after the read fails the call, and the client then closes its end too).
         bulk = self.bulk.take(h.bulk_ticket, h.worker_id) if h.bulk_ticket else None
         ok = False
         try:
-            result = await self.plane.push(_push_call(h), bulk, request_iterator, context.time_remaining)
+            result = await self.plane.push(_push_call(h), bulk, payload, context.time_remaining)
             ok = True
             return _push_reply(result)
         finally:
@@ -198,15 +215,7 @@ class ParameterServerServicer:
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         if request.bulk_ticket:
-            bulk = self._take_for_pull(request, context)
-            ok = False
-            try:  # the socket is kept only if the call succeeded, reply included (as the client keeps its end)
-                admit, limit_s = self._admit(context), self.gate.pulls.limits.max_wait_s
-                version = await self.plane.pull_bulk(_pull_call(request), bulk, admit, context.time_remaining, limit_s)
-                yield pb.PullReply(version=version).SerializeToString()
-                ok = True
-            finally:
-                self.bulk.release(bulk, keep=bulk.moved and ok)
+            yield await self._pull_bulk(request, context)
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         replies = await self.plane.pull_encoded(_pull_call(request), self._admit(context))
@@ -214,6 +223,31 @@ class ParameterServerServicer:
             yield replies[index]
         metrics.BYTES_PULLED.inc(replies.numel * 4)
         metrics.PULL_SECONDS.observe(time.perf_counter() - started)
+
+    @translate
+    async def PullBulk(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """Issue 12: a remote worker's pull whose parameters go out on its bulk socket, as one unary call (``Pull``
+        with a ``bulk_ticket`` answers the same, as a stream of one header-only reply)."""
+        self._addressed(request.shard_id, "pull")
+        if not request.bulk_ticket or request.HasField("shm_worker") or request.board:
+            raise InvalidArgument("PullBulk names the caller's bulk socket (bulk_ticket, bulk_numel) and no region")
+        started = time.perf_counter()
+        reply = await self._pull_bulk(request, context)
+        metrics.PULL_SECONDS.observe(time.perf_counter() - started)
+        return reply
+
+    async def _pull_bulk(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """The parameters on the caller's bulk socket; the header-only reply, encoded."""
+        bulk = self._take_for_pull(request, context)
+        ok = False
+        try:  # the socket is kept only if the call succeeded, reply included (as the client keeps its end)
+            admit, limit_s = self._admit(context), self.gate.pulls.limits.max_wait_s
+            version = await self.plane.pull_bulk(_pull_call(request), bulk, admit, context.time_remaining, limit_s)
+            reply = pb.PullReply(version=version).SerializeToString()
+            ok = True
+            return reply
+        finally:
+            self.bulk.release(bulk, keep=bulk.moved and ok)
 
     @translate
     async def PullAt(self, request: pb.PullAtRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -357,6 +391,14 @@ def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Ser
             servicer.PushShared,
             request_deserializer=pb.PushHeader.FromString,
             response_serializer=pb.PushReply.SerializeToString,
+        ),
+        "PushBulk": grpc.unary_unary_rpc_method_handler(
+            servicer.PushBulk,
+            request_deserializer=pb.PushHeader.FromString,
+            response_serializer=pb.PushReply.SerializeToString,
+        ),
+        "PullBulk": grpc.unary_unary_rpc_method_handler(
+            servicer.PullBulk, request_deserializer=pb.PullRequest.FromString, response_serializer=_as_is
         ),
         "PullShared": grpc.unary_unary_rpc_method_handler(
             servicer.PullShared,

@@ -221,6 +221,14 @@ class ParameterShard:
 
         Raises for anything the shard would reject, so a bad push costs no bandwidth.
         """
+        self.check_header(shard_id, worker_id, device_count, dtype, numel)
+        with self._cond:
+            self._check_open()
+            return self._classify_step(worker_id, step)
+
+    def check_header(self, shard_id: int, worker_id: int, device_count: int, dtype: int, numel: int) -> None:
+        """The part of ``check_push`` that reads only what never changes (no lock, no step): an event loop may call
+        it to size a push's buffer by its header before a thread makes the step's checks."""
         if shard_id != self.shard_id:
             raise InvalidArgument(f"push for shard {shard_id} reached shard {self.shard_id}; check the shard map")
         if not 0 <= worker_id < self.workers:
@@ -236,9 +244,6 @@ class ParameterShard:
             )
         if device_count < 1:
             raise InvalidArgument(f"device_count must be at least 1, got {device_count}")
-        with self._cond:
-            self._check_open()
-            return self._classify_step(worker_id, step)
 
     def push(
         self,

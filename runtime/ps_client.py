@@ -19,11 +19,12 @@ from there with no copy at all on the host.
 
 Remote (issue 12): gRPC Python's own copies keep a gRPC stream near 0.4x raw TCP, so a client
 moves payloads on bulk sockets (``runtime.bulk_client``, ``ps_server.bulk``) where the shard offers
-them: the header and the reply on gRPC as above, the raw bytes written from the caller's vector and
-read into the caller's buffer by the kernel, no user-space copy. ``bulk=False``
-(``transport.bulk_sockets: off``), a TLS channel or a shard that refuses streams over gRPC; a shard
-whose bulk port cannot be reached is streamed to for a back-off, then tried again
-(``runtime.bulk_client``); a bulk call the shard aborts (ABORTED) is streamed again.
+them: the header and the reply on gRPC, one unary call per push or pull (``PushBulk``, ``PullBulk``), the raw
+bytes written from the caller's vector and read into the caller's buffer by the kernel, no user-space copy.
+``bulk=False`` (``transport.bulk_sockets: off``), a TLS channel or a shard that refuses streams over gRPC; a shard
+whose bulk port cannot be reached is streamed to for a back-off, then tried again (``runtime.bulk_client``); a bulk
+call the shard aborts (ABORTED) is streamed again, and a shard that predates the unary calls (UNIMPLEMENTED) is
+streamed to from then on.
 
 Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
 raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
@@ -152,8 +153,9 @@ def _settle_with(into: Future[T], task: Future[T]) -> None:
 
 
 def _aborted(exc: BaseException) -> bool:
-    """The shard refused or dropped a bulk socket (StaleBulk): the call changed nothing and may be streamed."""
-    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED
+    """The shard refused or dropped a bulk socket (StaleBulk), or predates PushBulk/PullBulk (UNIMPLEMENTED): the
+    call changed nothing and may be streamed."""
+    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED)
 
 
 class _ShardStub:
@@ -176,9 +178,14 @@ class _ShardStub:
             request_serializer=pb.PullAtRequest.SerializeToString,
             response_deserializer=_pull_reply,
         )
-        # Issue 12: a bulk pull's replies (a Pull stream) are header-only PullReply messages.
-        self.PullHeaderOnly = channel.unary_stream(
-            f"/{_SERVICE}/Pull",
+        # Issue 12: a remote worker's header-only push and pull whose payload moves on a bulk socket, as unary calls.
+        self.PushBulk = channel.unary_unary(
+            f"/{_SERVICE}/PushBulk",
+            request_serializer=pb.PushHeader.SerializeToString,
+            response_deserializer=pb.PushReply.FromString,
+        )
+        self.PullBulk = channel.unary_unary(
+            f"/{_SERVICE}/PullBulk",
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=pb.PullReply.FromString,
         )
@@ -560,7 +567,7 @@ class PsClient:
     ) -> ShardAck | None:
         """The header on gRPC, the payload on ``bulk``; None if the shard aborted the call (stream it instead)."""
         header.bulk_ticket = bulk.ticket
-        call = self._stubs[r.shard_id].Push.future(iter((encode_push_header(header),)), timeout=self._push_timeout_s)
+        call = self._stubs[r.shard_id].PushBulk.future(header, timeout=self._push_timeout_s)
         bulk.abort_on_failure(call)
         sent = bulk.send(piece, self._push_timeout_s)  # the payload's only copies are the kernel's
         try:
@@ -568,6 +575,7 @@ class PsClient:
         except BaseException as exc:
             self.bulk.discard(bulk)
             if _aborted(exc):  # the shard dropped the socket before reading all of it: nothing was counted
+                self._bulk_refused(r, exc)
                 return None
             raise
         if sent and not reply.duplicate:  # a duplicate's payload was never read: that socket is spoilt
@@ -582,22 +590,28 @@ class PsClient:
         the shard aborted the call."""
         bulk_request = pb.PullRequest(bulk_ticket=bulk.ticket, bulk_numel=dest.numel())  # the shard checks the size
         bulk_request.MergeFrom(request)
-        call = self._stubs[r.shard_id].PullHeaderOnly(bulk_request, timeout=self._pull_timeout_s)
-        bulk.abort_on_failure(call)  # type: ignore[arg-type]
+        call = self._stubs[r.shard_id].PullBulk.future(bulk_request, timeout=self._pull_timeout_s)
+        bulk.abort_on_failure(call)
         received = bulk.receive(dest, self._pull_timeout_s)
         try:
-            replies = list(call)
+            reply = call.result()
         except BaseException as exc:
             self.bulk.discard(bulk)
             if _aborted(exc):  # the shard dropped the socket: the stream overwrites whatever arrived
+                self._bulk_refused(r, exc)
                 return None
             raise
-        if not received or len(replies) != 1 or replies[0].HasField("chunk"):
+        if not received or reply.HasField("chunk") or reply.HasField("board_slot"):
             self.bulk.discard(bulk)
-            raise CodecError("a bulk pull is answered with its payload on the socket and one header-only reply")
+            raise CodecError("a bulk pull is answered with its payload on the socket and a header-only reply")
         self.bulk.checkin(r.shard_id, bulk)
         self.shared.count(streamed=r.numel * 4)
-        return replies[0].version
+        return reply.version
+
+    def _bulk_refused(self, r: ShardRange, exc: BaseException) -> None:
+        """A shard that predates PushBulk/PullBulk (UNIMPLEMENTED) is streamed to from now on."""
+        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.bulk.refuse(r.shard_id, "it predates PushBulk and PullBulk")
 
     def _pull_shared(
         self, r: ShardRange, request: pb.PullRequest, dest: torch.Tensor, regions: MappedPair, board: bool

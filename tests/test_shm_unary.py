@@ -160,9 +160,10 @@ def test_a_unary_shared_pull_waits_for_its_version_and_refuses_bad_requests(clus
 
 
 def test_the_client_pushes_and_pulls_pieces_with_the_unary_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = {"Push": 0, "Pull": 0, "PushShared": 0, "PullShared": 0}
+    calls = {"Push": 0, "Pull": 0, "PushShared": 0, "PullShared": 0, "PushBulk": 0, "PullBulk": 0}
     push, pull = ParameterServerServicer.Push, ParameterServerServicer.Pull
     push_shared, pull_shared = ParameterServerServicer.PushShared, ParameterServerServicer.PullShared
+    push_bulk, pull_bulk = ParameterServerServicer.PushBulk, ParameterServerServicer.PullBulk
 
     async def counted_push(self, requests, context):  # type: ignore[no-untyped-def]
         calls["Push"] += 1
@@ -181,11 +182,21 @@ def test_the_client_pushes_and_pulls_pieces_with_the_unary_calls(monkeypatch: py
         calls["PullShared"] += 1
         return await pull_shared(self, request, context)
 
+    async def counted_push_bulk(self, request, context):  # type: ignore[no-untyped-def]
+        calls["PushBulk"] += 1
+        return await push_bulk(self, request, context)
+
+    async def counted_pull_bulk(self, request, context):  # type: ignore[no-untyped-def]
+        calls["PullBulk"] += 1
+        return await pull_bulk(self, request, context)
+
     # Before the servers start: they bind the servicers' methods as they register them.
     monkeypatch.setattr(ParameterServerServicer, "Push", counted_push)
     monkeypatch.setattr(ParameterServerServicer, "Pull", counted_pull)
     monkeypatch.setattr(ParameterServerServicer, "PushShared", counted_push_shared)
     monkeypatch.setattr(ParameterServerServicer, "PullShared", counted_pull_shared)
+    monkeypatch.setattr(ParameterServerServicer, "PushBulk", counted_push_bulk)
+    monkeypatch.setattr(ParameterServerServicer, "PullBulk", counted_pull_bulk)
     steps = 3
     streaming = start_cluster()
     try:
@@ -194,7 +205,9 @@ def test_the_client_pushes_and_pulls_pieces_with_the_unary_calls(monkeypatch: py
             client.close()
     finally:
         streaming.stop()
-    assert calls["PushShared"] == calls["PullShared"] == 0 and calls["Push"] > 0 and calls["Pull"] > 0
+    # Remote: bulk sockets (a call streams while a shard's bulk port is first probed), never the shared calls.
+    assert calls["PushShared"] == calls["PullShared"] == 0
+    assert calls["Push"] + calls["PushBulk"] > 0 and calls["Pull"] + calls["PullBulk"] > 0
     calls.update({name: 0 for name in calls})
     shared_cluster = start_cluster()
     try:
@@ -209,6 +222,8 @@ def test_the_client_pushes_and_pulls_pieces_with_the_unary_calls(monkeypatch: py
         "Pull": 0,
         "PushShared": steps * WORKERS * pieces,
         "PullShared": steps * WORKERS * pieces,
+        "PushBulk": 0,
+        "PullBulk": 0,
     }
     assert torch.equal(shared, streamed)  # bit for bit what streaming gives
     assert all(c.shared.counts.streamed_bytes == 0 and c.shared.counts.shared_bytes > 0 for c in clients)
