@@ -5,8 +5,9 @@ codes; this holds the rest, on the server's event loop, and is driven without a 
 
 * Push copies each chunk's payload into a staging buffer as it arrives (the bytes were already
   on the loop: gRPC's asyncio layer receives them there) and calls the shard in a worker thread,
-  since the shard's lock may be held by an update. A bulk push's payload is read from its raw
-  socket straight into the staging buffer (issue 12) by a bulk I/O thread, which then calls the shard.
+  since the shard's lock may be held by an update. A bulk push's header sizes are checked on the loop; a bulk
+  I/O thread then checks its step, reads its payload from the raw socket straight into the staging buffer
+  (issue 12) and calls the shard: one thread hop.
 * A worker on this host may have shared-memory regions (``ps_server.shm``); its pushes then carry
   only the header (the piece is in its push region) and its pulls are answered header-only (the
   piece is copied into its pull region, or named on the board). One thread hop per push, in
@@ -179,7 +180,8 @@ class ShardDataPlane:
             return shard.version if piece is None else shard.piece(piece, h.numel).version
 
         # A bulk push's step is checked by the bulk thread that then reads its payload (one thread hop in all, not
-        # two; a duplicate's payload is left unread there as here); what sizes its buffer is checked here, first.
+        # two; a duplicate's payload is left unread there as here, after it waited for a staging slot like any
+        # push); what sizes its buffer is checked here, first.
         checked = bulk is None or h.skip
         if not checked:
             shard.check_header(h.shard_id, h.worker_id, h.device_count, h.dtype, h.numel, piece_start=piece)
@@ -260,7 +262,7 @@ class ShardDataPlane:
         if not h.shm_nonce or h.skip or h.piece is None:
             raise InvalidArgument(
                 "PushShared carries one piece's header naming the caller's push region (shm_nonce) and nothing else; "
-                "skips, whole shards and bulk payloads go through Push"
+                "skips and whole shards go through Push, bulk payloads through PushBulk"
             )
         shard, piece, regions = self.shard, h.piece, self.regions
         started = time.perf_counter()

@@ -127,7 +127,8 @@ class ParameterServerServicer:
     @translate
     async def PushBulk(self, h: pb.PushHeader, context: grpc.aio.ServicerContext) -> pb.PushReply:
         """Issue 12: a remote worker's push whose payload follows on its bulk socket, as one unary call (a ``Push``
-        stream of one header costs both ends more CPU per piece). Same checks as ``Push``, in the same order."""
+        stream of one header costs both ends more CPU per piece). ``Push``'s checks in its order, and before the
+        socket is taken, a refusal of what belongs to another transport."""
         self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
         if not h.bulk_ticket or h.shm_nonce or h.pull_after or h.skip:
             raise InvalidArgument(
@@ -140,13 +141,14 @@ class ParameterServerServicer:
         self, h: pb.PushHeader, payload: AsyncIterator[PushPart] | None, context: grpc.aio.ServicerContext
     ) -> pb.PushReply:
         # Issue 12: a bulk push's payload follows on that socket, which this push owns until it ends; the socket
-        # is kept only if the push read exactly its payload and succeeded (a refusal or a duplicate leaves it
-        # unread; a refusal after the read fails the call, and the client then closes its end too).
+        # is kept only if the push read exactly its payload and succeeded, not as a duplicate (a refusal or a
+        # duplicate leaves it unread, or a duplicate found after the read was not counted; either way the client
+        # closes its end too, as after a refusal, which fails the call).
         bulk = self.bulk.take(h.bulk_ticket, h.worker_id) if h.bulk_ticket else None
         ok = False
         try:
             result = await self.plane.push(_push_call(h), bulk, payload, context.time_remaining)
-            ok = True
+            ok = not result.duplicate
             return _push_reply(result)
         finally:
             if bulk is not None:
@@ -166,7 +168,7 @@ class ParameterServerServicer:
         the worker's regions are replaced during the wait, the reply has no ``pulled`` and the worker pulls."""
         self.gate.check_push(context.invocation_metadata(), h.worker_id, h.device_count)
         if h.bulk_ticket:
-            raise InvalidArgument("PushShared carries a shared-memory piece; bulk payloads go through Push")
+            raise InvalidArgument("PushShared carries a shared-memory piece; bulk payloads go through PushBulk")
         reply = _push_reply(await self.plane.push_shared(_push_call(h)))
         if h.pull_after:
             started = time.perf_counter()
@@ -215,7 +217,8 @@ class ParameterServerServicer:
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         if request.bulk_ticket:
-            yield await self._pull_bulk(request, context)
+            async for reply in self._pull_bulk(request, context):
+                yield reply
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         replies = await self.plane.pull_encoded(_pull_call(request), self._admit(context))
@@ -232,20 +235,24 @@ class ParameterServerServicer:
         if not request.bulk_ticket or request.HasField("shm_worker") or request.board:
             raise InvalidArgument("PullBulk names the caller's bulk socket (bulk_ticket, bulk_numel) and no region")
         started = time.perf_counter()
-        reply = await self._pull_bulk(request, context)
+        (reply,) = [reply async for reply in self._pull_bulk(request, context)]
         metrics.PULL_SECONDS.observe(time.perf_counter() - started)
         return reply
 
-    async def _pull_bulk(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> bytes:
-        """The parameters on the caller's bulk socket; the header-only reply, encoded."""
+    async def _pull_bulk(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """The parameters on the caller's bulk socket, then the header-only reply, encoded.
+
+        The socket is kept only if the call succeeded (as the client keeps its end): for a ``Pull`` stream, once
+        the reply is sent (gRPC resumes the stream after writing it); a unary ``PullBulk`` cannot see its reply
+        written, so a reply lost after the return leaves this end idle, counted in its worker's cap, until a
+        handshake at the cap reaps the idle sockets whose peer is gone (``BulkSockets``)."""
         bulk = self._take_for_pull(request, context)
         ok = False
-        try:  # the socket is kept only if the call succeeded, reply included (as the client keeps its end)
+        try:
             admit, limit_s = self._admit(context), self.gate.pulls.limits.max_wait_s
             version = await self.plane.pull_bulk(_pull_call(request), bulk, admit, context.time_remaining, limit_s)
-            reply = pb.PullReply(version=version).SerializeToString()
+            yield pb.PullReply(version=version).SerializeToString()
             ok = True
-            return reply
         finally:
             self.bulk.release(bulk, keep=bulk.moved and ok)
 

@@ -214,15 +214,14 @@ class BulkClient:
             )
         except grpc.RpcError as exc:
             if exc.code() not in _TRANSIENT:  # refused for good: TLS, bulk off, an older shard
-                self.refuse(shard_id, f"OpenBulk: {exc.code().name}")
+                self._refused(shard_id, f"OpenBulk: {exc.code().name}")
             return None
         with self._lock:
             self._grants[(shard_id, worker_id)] = grant
             self._worker.setdefault(shard_id, worker_id)
         return grant
 
-    def refuse(self, shard_id: int, why: str) -> None:
-        """Stream to ``shard_id`` from now on (it refused bulk sockets, or cannot take their calls)."""
+    def _refused(self, shard_id: int, why: str) -> None:
         with self._lock:
             if self._off.get(shard_id) == math.inf:
                 return

@@ -23,8 +23,8 @@ them: the header and the reply on gRPC, one unary call per push or pull (``PushB
 bytes written from the caller's vector and read into the caller's buffer by the kernel, no user-space copy.
 ``bulk=False`` (``transport.bulk_sockets: off``), a TLS channel or a shard that refuses streams over gRPC; a shard
 whose bulk port cannot be reached is streamed to for a back-off, then tried again (``runtime.bulk_client``); a bulk
-call the shard aborts (ABORTED) is streamed again, and a shard that predates the unary calls (UNIMPLEMENTED) is
-streamed to from then on.
+call the shard aborts (ABORTED) is streamed again, and a shard that predates the unary calls (UNIMPLEMENTED) gets
+its tickets in the Push and Pull streams from then on.
 
 Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
 raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
@@ -178,7 +178,13 @@ class _ShardStub:
             request_serializer=pb.PullAtRequest.SerializeToString,
             response_deserializer=_pull_reply,
         )
-        # Issue 12: a remote worker's header-only push and pull whose payload moves on a bulk socket, as unary calls.
+        # Issue 12: a remote worker's header-only push and pull whose payload moves on a bulk socket, as unary calls;
+        # a shard that predates them takes the ticket in Push and Pull (a bulk pull's replies are header-only).
+        self.PullHeaderOnly = channel.unary_stream(
+            f"/{_SERVICE}/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pb.PullReply.FromString,
+        )
         self.PushBulk = channel.unary_unary(
             f"/{_SERVICE}/PushBulk",
             request_serializer=pb.PushHeader.SerializeToString,
@@ -259,6 +265,8 @@ class PsClient:
             pinning,
         )
         self.bulk = BulkClient(self._addresses, [s.OpenBulk for s in self._stubs], bulk)
+        # Shards that predate PushBulk/PullBulk (UNIMPLEMENTED): their bulk tickets ride the Push and Pull streams.
+        self._bulk_on_streams: set[int] = set()
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
         # Piece pulls wait on the shards for the step's update: a pool of their own, so they never hold up a push.
         self._pulls = ThreadPoolExecutor(max_workers=PIECE_PULLS, thread_name_prefix="ps-pull")
@@ -567,7 +575,11 @@ class PsClient:
     ) -> ShardAck | None:
         """The header on gRPC, the payload on ``bulk``; None if the shard aborted the call (stream it instead)."""
         header.bulk_ticket = bulk.ticket
-        call = self._stubs[r.shard_id].PushBulk.future(header, timeout=self._push_timeout_s)
+        stub = self._stubs[r.shard_id]
+        if r.shard_id in self._bulk_on_streams:
+            call = stub.Push.future(iter((encode_push_header(header),)), timeout=self._push_timeout_s)
+        else:
+            call = stub.PushBulk.future(header, timeout=self._push_timeout_s)
         bulk.abort_on_failure(call)
         sent = bulk.send(piece, self._push_timeout_s)  # the payload's only copies are the kernel's
         try:
@@ -575,7 +587,7 @@ class PsClient:
         except BaseException as exc:
             self.bulk.discard(bulk)
             if _aborted(exc):  # the shard dropped the socket before reading all of it: nothing was counted
-                self._bulk_refused(r, exc)
+                self._older_shard(r, exc)
                 return None
             raise
         if sent and not reply.duplicate:  # a duplicate's payload was never read: that socket is spoilt
@@ -590,28 +602,35 @@ class PsClient:
         the shard aborted the call."""
         bulk_request = pb.PullRequest(bulk_ticket=bulk.ticket, bulk_numel=dest.numel())  # the shard checks the size
         bulk_request.MergeFrom(request)
-        call = self._stubs[r.shard_id].PullBulk.future(bulk_request, timeout=self._pull_timeout_s)
+        stub = self._stubs[r.shard_id]
+        streams = r.shard_id in self._bulk_on_streams
+        call = (stub.PullHeaderOnly if streams else stub.PullBulk.future)(bulk_request, timeout=self._pull_timeout_s)
         bulk.abort_on_failure(call)
         received = bulk.receive(dest, self._pull_timeout_s)
         try:
-            reply = call.result()
+            replies = list(call) if streams else [call.result()]
         except BaseException as exc:
             self.bulk.discard(bulk)
             if _aborted(exc):  # the shard dropped the socket: the stream overwrites whatever arrived
-                self._bulk_refused(r, exc)
+                self._older_shard(r, exc)
                 return None
             raise
-        if not received or reply.HasField("chunk") or reply.HasField("board_slot"):
+        if not received or len(replies) != 1 or replies[0].HasField("chunk") or replies[0].HasField("board_slot"):
             self.bulk.discard(bulk)
-            raise CodecError("a bulk pull is answered with its payload on the socket and a header-only reply")
+            raise CodecError("a bulk pull is answered with its payload on the socket and one header-only reply")
         self.bulk.checkin(r.shard_id, bulk)
         self.shared.count(streamed=r.numel * 4)
-        return reply.version
+        return replies[0].version
 
-    def _bulk_refused(self, r: ShardRange, exc: BaseException) -> None:
-        """A shard that predates PushBulk/PullBulk (UNIMPLEMENTED) is streamed to from now on."""
-        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            self.bulk.refuse(r.shard_id, "it predates PushBulk and PullBulk")
+    def _older_shard(self, r: ShardRange, exc: BaseException) -> None:
+        """A shard that predates PushBulk/PullBulk (UNIMPLEMENTED): its bulk tickets go with the Push and Pull
+        streams from now on (the call that found out, whose socket may hold its payload, is streamed)."""
+        if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            return
+        if r.shard_id not in self._bulk_on_streams:
+            self._bulk_on_streams.add(r.shard_id)
+            log.info("shard %d at %s predates PushBulk and PullBulk: bulk tickets go with its Push and Pull streams",
+                     r.shard_id, self._addresses[r.shard_id])  # fmt: skip
 
     def _pull_shared(
         self, r: ShardRange, request: pb.PullRequest, dest: torch.Tensor, regions: MappedPair, board: bool

@@ -3,14 +3,15 @@
 A remote worker's push and pull of a piece are one unary call each, the payload on its bulk socket (a stream of
 one header costs both ends more CPU per piece). They must refuse what ``Push``/``Pull`` with a ticket refuse, with
 the same status codes, leave the shard unchanged when they do, and refuse what belongs to another transport. The
-client must use them, not the streams; a shard that predates them (UNIMPLEMENTED) is streamed to. The streams
-still take a ticket (older workers): ``test_wire_bulk``.
+client must use them, not the streams; to a shard that predates them (UNIMPLEMENTED) it sends its tickets in the
+streams, which still take one (older workers: ``test_wire_bulk``).
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -19,9 +20,12 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.ps_server.service import ParameterServerServicer
+from pstrain.runtime.bulk_client import ClientSocket
 from pstrain.runtime.bulk_socket import TICKET_BYTES, receive_exactly
 from pstrain.runtime.identity import MemberKeys
+from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, open_channel
+from tests.helpers import wait_for
 from tests.test_shm_path import Cluster, start_cluster
 from tests.test_wire_bulk import client_of, closed_by_peer, same, state, train, trained_on_a_fresh_cluster
 
@@ -48,7 +52,10 @@ def piece_header(cluster: Cluster, ticket: bytes, **fields: object) -> pb.PushHe
     header = pb.PushHeader(shard_id=0, worker_id=0, step=0, device_count=1, dtype=pb.FLOAT32, numel=piece.numel)
     header.piece_start, header.bulk_ticket = piece.start, ticket
     for key, value in fields.items():
-        setattr(header, key, value)
+        if value is None:
+            header.ClearField(key)
+        else:
+            setattr(header, key, value)
     return header
 
 
@@ -87,6 +94,7 @@ def test_bad_unary_bulk_pushes_are_refused_with_pushs_codes_and_change_nothing(c
     refused(grpc.StatusCode.INVALID_ARGUMENT, piece_start=piece.start + 1)  # not where a piece starts
     refused(grpc.StatusCode.INVALID_ARGUMENT, numel=piece.numel + 1)  # runs past the piece
     refused(grpc.StatusCode.INVALID_ARGUMENT, numel=1 << 40)  # a buffer is never sized by an unchecked header
+    refused(grpc.StatusCode.INVALID_ARGUMENT, piece_start=None, numel=1 << 40)  # nor for a whole shard
     refused(grpc.StatusCode.INVALID_ARGUMENT, dtype=pb.BFLOAT16)  # this job pushes float32
     refused(grpc.StatusCode.INVALID_ARGUMENT, dtype=99)
     refused(grpc.StatusCode.INVALID_ARGUMENT, device_count=0)
@@ -94,6 +102,25 @@ def test_bad_unary_bulk_pushes_are_refused_with_pushs_codes_and_change_nothing(c
     nan = torch.ones(piece.numel)
     nan[3] = float("nan")
     refused(grpc.StatusCode.INVALID_ARGUMENT, nan)  # read whole, then refused: never reaches the accumulator
+
+    sock, ticket = bulk_socket(stub)
+    call = stub.PushBulk.future(piece_header(cluster, ticket), timeout=10)
+    sock.sendall(torch.ones(piece.numel // 2).numpy().tobytes())
+    sock.close()  # half the payload, then the socket breaks
+    with pytest.raises(grpc.RpcError) as err:
+        call.result()
+    assert err.value.code() == grpc.StatusCode.ABORTED
+
+    sock, ticket = bulk_socket(stub)
+    call = stub.PushBulk.future(piece_header(cluster, ticket), timeout=10)
+    sock.sendall(torch.ones(piece.numel // 2).numpy().tobytes())
+    # The shard reads this push's payload now (a cancel that beat the header would leave the socket idle).
+    wait_for(lambda: ticket in cluster.servicers[0].bulk._busy, 10, "the shard taking the push's socket")
+    call.cancel()  # the caller gives up mid-payload: the shard's read ends with the socket
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result()
+    assert closed_by_peer(sock)
+    sock.close()
     assert same(before, state(cluster))
 
 
@@ -131,35 +158,58 @@ def test_a_unary_bulk_push_and_pull_move_a_piece_and_a_duplicate_is_acknowledged
     sock.close()
 
 
-def test_bad_unary_bulk_pulls_are_refused_before_a_byte() -> None:
+@dataclass
+class Keyed:
+    """A cluster with member credentials, worker 0's client with one bulk socket idle on shard 0 (``known``), and a
+    stub without any credential."""
+
+    cluster: Cluster
+    zero: PsClient
+    known: ClientSocket
+    stub: pb_grpc.ParameterServerStub
+
+
+@pytest.fixture
+def keyed() -> Iterator[Keyed]:
     c = start_cluster(keys=MemberKeys.generate())
+    zero = client_of(c, 0)
     try:
-        zero = client_of(c, 0)
-        zero.push(torch.randn(1000), 0, 0, 1).wait()  # a bulk socket of worker 0's, idle on shard 0
+        zero.push(torch.randn(1000), 0, 0, 1).wait()
         (known,) = zero.bulk._idle[0]
-        stub = pb_grpc.ParameterServerStub(open_channel(c.addresses[0]))  # no credential
-        numel = c.shards[0].numel
-
-        def refused(code: grpc.StatusCode, **fields: object) -> None:
-            request = pb.PullRequest(shard_id=0, min_version=0, bulk_ticket=known.ticket, bulk_numel=numel)
-            for key, value in fields.items():
-                setattr(request, key, value)
-            with pytest.raises(grpc.RpcError) as err:
-                stub.PullBulk(request, timeout=10)
-            assert err.value.code() == code, err.value.details()
-
-        refused(grpc.StatusCode.INVALID_ARGUMENT, bulk_ticket=b"")  # no socket named: that is Pull's job
-        refused(grpc.StatusCode.INVALID_ARGUMENT, shm_worker=0)  # a pull region: PullShared
-        refused(grpc.StatusCode.INVALID_ARGUMENT, board=True)
-        refused(grpc.StatusCode.INVALID_ARGUMENT, shard_id=1)
-        for ticket in (b"\1" * TICKET_BYTES, known.ticket):  # unknown and known: the same answer without a credential
-            refused(grpc.StatusCode.PERMISSION_DENIED, bulk_ticket=ticket)
-        assert c.servicers[0].bulk.owner(known.ticket) == 0  # its socket is left alone
-        out = torch.empty(1000)
-        assert zero.pull(0, out) == 0  # and still works
-        zero.close()
+        yield Keyed(c, zero, known, pb_grpc.ParameterServerStub(open_channel(c.addresses[0])))
     finally:
+        zero.close()
         c.stop()
+
+
+def test_a_unary_bulk_push_without_its_workers_credential_leaves_the_socket_alone(keyed: Keyed) -> None:
+    before = state(keyed.cluster)
+    for ticket in (b"\1" * TICKET_BYTES, keyed.known.ticket):  # unknown and known: the same answer
+        with pytest.raises(grpc.RpcError) as err:
+            keyed.stub.PushBulk(piece_header(keyed.cluster, ticket, step=1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert keyed.cluster.servicers[0].bulk.owner(keyed.known.ticket) == 0 and same(before, state(keyed.cluster))
+
+
+def test_bad_unary_bulk_pulls_are_refused_before_a_byte(keyed: Keyed) -> None:
+    numel = keyed.cluster.shards[0].numel
+
+    def refused(code: grpc.StatusCode, **fields: object) -> None:
+        request = pb.PullRequest(shard_id=0, min_version=0, bulk_ticket=keyed.known.ticket, bulk_numel=numel)
+        for key, value in fields.items():
+            setattr(request, key, value)
+        with pytest.raises(grpc.RpcError) as err:
+            keyed.stub.PullBulk(request, timeout=10)
+        assert err.value.code() == code, err.value.details()
+
+    refused(grpc.StatusCode.INVALID_ARGUMENT, bulk_ticket=b"")  # no socket named: that is Pull's job
+    refused(grpc.StatusCode.INVALID_ARGUMENT, shm_worker=0)  # a pull region: PullShared
+    refused(grpc.StatusCode.INVALID_ARGUMENT, board=True)
+    refused(grpc.StatusCode.INVALID_ARGUMENT, shard_id=1)
+    for ticket in (b"\1" * TICKET_BYTES, keyed.known.ticket):  # unknown and known: the same answer, no credential
+        refused(grpc.StatusCode.PERMISSION_DENIED, bulk_ticket=ticket)
+    assert keyed.cluster.servicers[0].bulk.owner(keyed.known.ticket) == 0  # its socket is left alone
+    assert keyed.zero.pull(0, torch.empty(1000)) == 0  # and still works
 
 
 def test_a_unary_bulk_pull_of_a_wrong_size_is_refused_and_the_socket_closed(cluster: Cluster) -> None:
@@ -217,8 +267,9 @@ def test_a_shard_that_predates_the_unary_bulk_calls_is_streamed_to(monkeypatch: 
     try:
         got, clients = train(c, bulk=True)
         assert torch.equal(got, want)
-        for client in clients:
-            assert client.bulk.off == {0, 1} and not client.bulk._idle.get(0) and not client.bulk._idle.get(1)
+        for client in clients:  # the tickets went with the streams, which such a shard takes them in
+            assert client._bulk_on_streams == {0, 1} and client.bulk.off == set()
+            assert client.bulk._idle.get(0) and client.bulk._idle.get(1)
             client.close()
     finally:
         c.stop()
