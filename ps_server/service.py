@@ -13,9 +13,10 @@ are ``ShardDataPlane``'s (``ps_server.data_plane``), which tests drive without a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -217,8 +218,10 @@ class ParameterServerServicer:
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         if request.bulk_ticket:
-            async for reply in self._pull_bulk(request, context):
-                yield reply
+            # Closed with this stream (a call cancelled while its reply is sent): its socket is released at once.
+            async with contextlib.aclosing(self._pull_bulk(request, context)) as sent:
+                async for reply in sent:
+                    yield reply
             metrics.PULL_SECONDS.observe(time.perf_counter() - started)
             return
         replies = await self.plane.pull_encoded(_pull_call(request), self._admit(context))
@@ -239,7 +242,9 @@ class ParameterServerServicer:
         metrics.PULL_SECONDS.observe(time.perf_counter() - started)
         return reply
 
-    async def _pull_bulk(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def _pull_bulk(
+        self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[bytes, None]:
         """The parameters on the caller's bulk socket, then the header-only reply, encoded.
 
         The socket is kept only if the call succeeded (as the client keeps its end): for a ``Pull`` stream, once

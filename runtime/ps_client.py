@@ -24,7 +24,7 @@ bytes written from the caller's vector and read into the caller's buffer by the 
 ``bulk=False`` (``transport.bulk_sockets: off``), a TLS channel or a shard that refuses streams over gRPC; a shard
 whose bulk port cannot be reached is streamed to for a back-off, then tried again (``runtime.bulk_client``); a bulk
 call the shard aborts (ABORTED) is streamed again, and a shard that predates the unary calls (UNIMPLEMENTED) gets
-its tickets in the Push and Pull streams from then on.
+its tickets in the Push and Pull streams (the unary calls are tried again after ``bulk_client.RETRY_AFTER_S``).
 
 Status codes become ``ps_api`` errors here, in one table; a code the table does not name is
 raised as the ``grpc.RpcError`` it is. Nothing is retried here: the caller decides (see
@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -55,7 +57,7 @@ from pstrain.protos.codec import (
     encode_push_header,
     wire_dtype,
 )
-from pstrain.runtime.bulk_client import BulkClient, ClientSocket
+from pstrain.runtime.bulk_client import RETRY_AFTER_S, BulkClient, ClientSocket
 from pstrain.runtime.host_pinning import HostPinning
 from pstrain.runtime.ps_api import (
     Cancelled,
@@ -265,8 +267,9 @@ class PsClient:
             pinning,
         )
         self.bulk = BulkClient(self._addresses, [s.OpenBulk for s in self._stubs], bulk)
-        # Shards that predate PushBulk/PullBulk (UNIMPLEMENTED): their bulk tickets ride the Push and Pull streams.
-        self._bulk_on_streams: set[int] = set()
+        # Shards that predate PushBulk/PullBulk (UNIMPLEMENTED): their bulk tickets ride the Push and Pull streams
+        # until the time given here (monotonic), when the unary calls are tried again (the shard may be upgraded).
+        self._bulk_on_streams: dict[int, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
         # Piece pulls wait on the shards for the step's update: a pool of their own, so they never hold up a push.
         self._pulls = ThreadPoolExecutor(max_workers=PIECE_PULLS, thread_name_prefix="ps-pull")
@@ -576,7 +579,7 @@ class PsClient:
         """The header on gRPC, the payload on ``bulk``; None if the shard aborted the call (stream it instead)."""
         header.bulk_ticket = bulk.ticket
         stub = self._stubs[r.shard_id]
-        if r.shard_id in self._bulk_on_streams:
+        if self._on_streams(r.shard_id):
             call = stub.Push.future(iter((encode_push_header(header),)), timeout=self._push_timeout_s)
         else:
             call = stub.PushBulk.future(header, timeout=self._push_timeout_s)
@@ -590,7 +593,7 @@ class PsClient:
                 self._older_shard(r, exc)
                 return None
             raise
-        if sent and not reply.duplicate:  # a duplicate's payload was never read: that socket is spoilt
+        if sent and not reply.duplicate:  # a duplicate's socket is closed by the shard (its payload maybe unread)
             self.bulk.checkin(r.shard_id, bulk)
         else:
             self.bulk.discard(bulk)
@@ -603,7 +606,7 @@ class PsClient:
         bulk_request = pb.PullRequest(bulk_ticket=bulk.ticket, bulk_numel=dest.numel())  # the shard checks the size
         bulk_request.MergeFrom(request)
         stub = self._stubs[r.shard_id]
-        streams = r.shard_id in self._bulk_on_streams
+        streams = self._on_streams(r.shard_id)
         call = (stub.PullHeaderOnly if streams else stub.PullBulk.future)(bulk_request, timeout=self._pull_timeout_s)
         bulk.abort_on_failure(call)
         received = bulk.receive(dest, self._pull_timeout_s)
@@ -622,15 +625,19 @@ class PsClient:
         self.shared.count(streamed=r.numel * 4)
         return replies[0].version
 
+    def _on_streams(self, shard_id: int) -> bool:
+        return self._bulk_on_streams.get(shard_id, -math.inf) > time.monotonic()
+
     def _older_shard(self, r: ShardRange, exc: BaseException) -> None:
         """A shard that predates PushBulk/PullBulk (UNIMPLEMENTED): its bulk tickets go with the Push and Pull
-        streams from now on (the call that found out, whose socket may hold its payload, is streamed)."""
+        streams for ``RETRY_AFTER_S`` (the call that found out, whose socket may hold its payload, is streamed)."""
         if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             return
-        if r.shard_id not in self._bulk_on_streams:
-            self._bulk_on_streams.add(r.shard_id)
-            log.info("shard %d at %s predates PushBulk and PullBulk: bulk tickets go with its Push and Pull streams",
-                     r.shard_id, self._addresses[r.shard_id])  # fmt: skip
+        if not self._on_streams(r.shard_id):
+            self._bulk_on_streams[r.shard_id] = time.monotonic() + RETRY_AFTER_S
+            log.info("shard %d at %s predates PushBulk and PullBulk: bulk tickets go with its Push and Pull streams "
+                     "(the unary calls are tried again in %.0f s)", r.shard_id, self._addresses[r.shard_id],
+                     RETRY_AFTER_S)  # fmt: skip
 
     def _pull_shared(
         self, r: ShardRange, request: pb.PullRequest, dest: torch.Tensor, regions: MappedPair, board: bool

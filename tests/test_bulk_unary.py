@@ -19,6 +19,7 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.ps_server.data_plane import ShardDataPlane
 from pstrain.ps_server.service import ParameterServerServicer
 from pstrain.runtime.bulk_client import ClientSocket
 from pstrain.runtime.bulk_socket import TICKET_BYTES, receive_exactly
@@ -114,7 +115,7 @@ def test_bad_unary_bulk_pushes_are_refused_with_pushs_codes_and_change_nothing(c
     sock, ticket = bulk_socket(stub)
     call = stub.PushBulk.future(piece_header(cluster, ticket), timeout=10)
     sock.sendall(torch.ones(piece.numel // 2).numpy().tobytes())
-    # The shard reads this push's payload now (a cancel that beat the header would leave the socket idle).
+    # The call has taken its socket (a cancel that beat the header would leave it idle); from here a cancel closes it.
     wait_for(lambda: ticket in cluster.servicers[0].bulk._busy, 10, "the shard taking the push's socket")
     call.cancel()  # the caller gives up mid-payload: the shard's read ends with the socket
     with pytest.raises(grpc.FutureCancelledError):
@@ -172,13 +173,15 @@ class Keyed:
 @pytest.fixture
 def keyed() -> Iterator[Keyed]:
     c = start_cluster(keys=MemberKeys.generate())
-    zero = client_of(c, 0)
     try:
-        zero.push(torch.randn(1000), 0, 0, 1).wait()
-        (known,) = zero.bulk._idle[0]
-        yield Keyed(c, zero, known, pb_grpc.ParameterServerStub(open_channel(c.addresses[0])))
+        zero = client_of(c, 0)
+        try:
+            zero.push(torch.randn(1000), 0, 0, 1).wait()
+            (known,) = zero.bulk._idle[0]
+            yield Keyed(c, zero, known, pb_grpc.ParameterServerStub(open_channel(c.addresses[0])))
+        finally:
+            zero.close()
     finally:
-        zero.close()
         c.stop()
 
 
@@ -255,20 +258,38 @@ def test_the_client_moves_bulk_payloads_with_the_unary_calls(monkeypatch: pytest
         c.stop()
 
 
-def test_a_shard_that_predates_the_unary_bulk_calls_is_streamed_to(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shard_that_predates_the_unary_bulk_calls_gets_the_tickets_in_the_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     want = trained_on_a_fresh_cluster()
 
     async def unimplemented(self, request, context):  # type: ignore[no-untyped-def]
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")  # as an older shard answers
 
+    moved = {"push": 0, "pull": 0}  # payloads the shards moved on bulk sockets: only through the streams here
+    push, pull_bulk = ShardDataPlane.push, ShardDataPlane.pull_bulk
+
+    async def counted_push(self, h, bulk, payload, time_left):  # type: ignore[no-untyped-def]
+        result = await push(self, h, bulk, payload, time_left)
+        moved["push"] += bulk is not None and bulk.moved
+        return result
+
+    async def counted_pull(self, request, bulk, *args):  # type: ignore[no-untyped-def]
+        version = await pull_bulk(self, request, bulk, *args)
+        moved["pull"] += bulk.moved
+        return version
+
     monkeypatch.setattr(ParameterServerServicer, "PushBulk", unimplemented)
     monkeypatch.setattr(ParameterServerServicer, "PullBulk", unimplemented)
+    monkeypatch.setattr(ShardDataPlane, "push", counted_push)
+    monkeypatch.setattr(ShardDataPlane, "pull_bulk", counted_pull)
     c = start_cluster()
     try:
         got, clients = train(c, bulk=True)
         assert torch.equal(got, want)
+        assert moved["push"] > 0 and moved["pull"] > 0
         for client in clients:  # the tickets went with the streams, which such a shard takes them in
-            assert client._bulk_on_streams == {0, 1} and client.bulk.off == set()
+            assert set(client._bulk_on_streams) == {0, 1} and client.bulk.off == set()
             assert client.bulk._idle.get(0) and client.bulk._idle.get(1)
             client.close()
     finally:

@@ -338,7 +338,8 @@ def test_a_client_error_is_the_streams_error() -> None:
             assert c.shards[0].snapshot().pushes_waiting == 0
             if bulk:  # a refusal of the push is not one of the transport's: the client keeps its bulk sockets
                 client.push(torch.ones(TOTAL), 0, 0, 1).wait()
-                assert client.bulk.off == set() and client.bulk._idle.get(0) and client.bulk._idle.get(1)
+                assert client.bulk.off == set() and not client._bulk_on_streams
+                assert client.bulk._idle.get(0) and client.bulk._idle.get(1)
             client.close()
         finally:
             c.stop()
