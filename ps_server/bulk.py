@@ -77,7 +77,8 @@ Owner = tuple[int, int]  # (worker id, incarnation of its credential; 0 without 
 
 
 class StaleBulk(PsError):
-    """The call names a bulk socket this shard does not have (closed, busy or never opened): ABORTED."""
+    """The call names a bulk socket this shard does not have (closed, busy or never opened), or asks a grant for a
+    worker process its successor replaced: ABORTED."""
 
 
 class BulkRefused(PsError):
@@ -152,17 +153,39 @@ class BulkSockets:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def grant(self, worker_id: int, incarnation: int = 0) -> tuple[int, bytes]:
-        """(port, nonce) for that worker incarnation's sockets; the nonce stays the same for it."""
+        """(port, nonce) for that worker incarnation's sockets; the nonce stays the same for it.
+
+        A newer incarnation retires the worker's older ones: their nonces go and their idle sockets are closed
+        (busy ones when their call ends). The old process was replaced (its credential is no longer accepted),
+        and it would never handshake again to have its dead sockets reaped: each replacement would leave up to
+        ``MAX_SOCKETS_PER_WORKER`` descriptors open for the shard's lifetime."""
         owner = (worker_id, incarnation)
         with self._lock:
             if not self.enabled or self._closed:
                 raise BulkRefused("bulk sockets are off on this shard; stream instead")
+            newer = [o for o in self._of_owner if o[0] == worker_id and o[1] > incarnation]
+            if newer:
+                raise StaleBulk(
+                    f"worker {worker_id} incarnation {incarnation} was replaced by incarnation {max(newer)[1]}"
+                )
             port = self._listen_locked()
+            retired = self._retire_locked([o for o in self._of_owner if o[0] == worker_id and o[1] < incarnation])
             nonce = self._of_owner.get(owner)
             if nonce is None:
                 nonce = self._of_owner[owner] = secrets.token_bytes(NONCE_BYTES)
                 self._nonces[nonce] = owner
-            return port, nonce
+        for sock in retired:
+            _shut(sock)
+        return port, nonce
+
+    def _retire_locked(self, owners: list[Owner]) -> list[socket.socket]:
+        """Forget ``owners``' nonces and take out their idle sockets (to be shut outside the lock)."""
+        for owner in owners:
+            self._nonces.pop(self._of_owner.pop(owner), None)
+        gone = [t for t, bulk in self._idle.items() if bulk.owner in owners]
+        for ticket in gone:
+            self._uncount_locked(self._idle[ticket].owner)
+        return [self._idle.pop(ticket).sock for ticket in gone]
 
     def listen(self) -> int:
         """Bind the port now (``OSError`` if it cannot: a fixed port in use); the port. Idempotent."""
@@ -207,7 +230,7 @@ class BulkSockets:
         keeps its end only after a call that succeeded, so both ends agree."""
         with self._lock:
             self._busy.pop(bulk.ticket, None)
-            if keep and not self._closed:
+            if keep and not self._closed and bulk.owner in self._of_owner:  # not a retired incarnation's
                 self._idle[bulk.ticket] = bulk
                 return
             self._uncount_locked(bulk.owner)

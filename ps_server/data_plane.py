@@ -196,60 +196,64 @@ class ShardDataPlane:
             skipping = asyncio.ensure_future(asyncio.to_thread(skip, h.worker_id, h.step, None, h.device_count))
             skipping.add_done_callback(self._moved_by(piece))
             return await skipping
-        async with self._staging_slots:
+        await self._staging_slots.acquire()
+        # Held until the push's thread is done (``_when_done``), not only until this call ends: a cancelled call's
+        # thread still fills its buffer, and every thread a push holds is one fewer for the bulk pulls.
+        try:
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # h.dtype is the job's push dtype (checked)
-            pushing: asyncio.Future[PushResult] | None = None
-            executor: ThreadPoolExecutor | None = None  # the loop's default
-            adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
-            lent = False  # the payload is read where it lies in the worker's push region (``ParameterShard.push``)
-            try:
-                take: Callable[[], torch.Tensor]
-                if h.shm_nonce:  # the piece is in the worker's push region: copied out in the shard's thread
-                    pair, regions = self.regions.pair(h.worker_id, h.shm_nonce), self.regions
-                    where = regions.span(piece, h.numel)
-                    if buf.dtype == torch.float32:  # read in place: the shard keeps nothing after the push
-                        take, lent = functools.partial(regions.view, pair, where), True
-                    else:
-                        take = functools.partial(regions.take, pair, where, buf)
-                    if payload is not None and await anext(payload, None) is not None:
-                        raise InvalidArgument("a shared-memory push carries its header only")
-                elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
-                    if payload is not None and await anext(payload, None) is not None:
-                        raise InvalidArgument("a bulk push carries its header only")
-                    # Read by the bulk thread that then pushes.
-                    take = functools.partial(_received, bulk, buf, bounded(time_left(), self.push_timeout_s))
-                    executor = self._bulk_io
+        except BaseException:
+            self._staging_slots.release()
+            raise
+        pushing: asyncio.Future[PushResult] | None = None
+        executor: ThreadPoolExecutor | None = None  # the loop's default
+        adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
+        lent = False  # the payload is read where it lies in the worker's push region (``ParameterShard.push``)
+        try:
+            take: Callable[[], torch.Tensor]
+            if h.shm_nonce:  # the piece is in the worker's push region: copied out in the shard's thread
+                pair, regions = self.regions.pair(h.worker_id, h.shm_nonce), self.regions
+                where = regions.span(piece, h.numel)
+                if buf.dtype == torch.float32:  # read in place: the shard keeps nothing after the push
+                    take, lent = functools.partial(regions.view, pair, where), True
                 else:
-                    if payload is None:
-                        raise InvalidArgument("a push names its transport: chunks, a bulk socket or a push region")
-                    assembler = TensorAssembler(buf.dtype, h.numel, out=buf)
-                    async for part in payload:
-                        if part.chunk is None:
-                            raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
-                        assembler.add(part.chunk)
-                    take = assembler.result
+                    take = functools.partial(regions.take, pair, where, buf)
+                if payload is not None and await anext(payload, None) is not None:
+                    raise InvalidArgument("a shared-memory push carries its header only")
+            elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
+                if payload is not None and await anext(payload, None) is not None:
+                    raise InvalidArgument("a bulk push carries its header only")
+                # Read by the bulk thread that then pushes.
+                take = functools.partial(_received, bulk, buf, bounded(time_left(), self.push_timeout_s))
+                executor = self._bulk_io
+            else:
+                if payload is None:
+                    raise InvalidArgument("a push names its transport: chunks, a bulk socket or a push region")
+                assembler = TensorAssembler(buf.dtype, h.numel, out=buf)
+                async for part in payload:
+                    if part.chunk is None:
+                        raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
+                    assembler.add(part.chunk)
+                take = assembler.result
 
-                def call() -> PushResult:
-                    if not checked:
-                        duplicate = duplicate_at()
-                        if duplicate is not None:
-                            return PushResult(duplicate, duplicate=True, completed=False)
-                    grad = take()
-                    recycle = adopted.append if grad is buf else None
-                    return shard.push(
-                        h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle, lent=lent
-                    )
+            def call() -> PushResult:
+                if not checked:
+                    duplicate = duplicate_at()
+                    if duplicate is not None:
+                        return PushResult(duplicate, duplicate=True, completed=False)
+                grad = take()
+                recycle = adopted.append if grad is buf else None
+                return shard.push(
+                    h.worker_id, h.step, grad, h.device_count, piece_start=piece, recycle=recycle, lent=lent
+                )
 
-                pushing = asyncio.get_running_loop().run_in_executor(executor, call)
-                pushing.add_done_callback(self._moved_by(piece))
-                # Shielded: a cancelled RPC must not hand the buffer to another push while the shard (or the
-                # bulk socket) writes or reads it.
-                result = await asyncio.shield(pushing)
-            finally:
-                if pushing is None or pushing.done():
-                    self._pool.release(adopted[0] if adopted else buf)
-                else:
-                    pushing.add_done_callback(lambda _: self._pool.release(adopted[0] if adopted else buf))
+            pushing = asyncio.get_running_loop().run_in_executor(executor, call)
+            pushing.add_done_callback(self._moved_by(piece))
+            # Shielded: a cancelled RPC must not hand the buffer to another push while the shard (or the
+            # bulk socket) writes or reads it.
+            result = await asyncio.shield(pushing)
+        finally:
+            _when_done(pushing, lambda: self._pool.release(adopted[0] if adopted else buf))
+            _when_done(pushing, self._staging_slots.release)
         if result.duplicate:
             return result
         metrics.BYTES_PUSHED.inc(h.numel * buf.element_size())
@@ -283,11 +287,15 @@ class ShardDataPlane:
             finally:
                 self._pool.release(buf)
 
-        async with self._staging_slots:
+        await self._staging_slots.acquire()
+        pushing: asyncio.Future[PushResult] | None = None
+        try:
             pushing = asyncio.get_running_loop().run_in_executor(None, call)
             pushing.add_done_callback(self._moved_by(piece))
             # Shielded: a cancelled call leaves the shard reading the region (and the buffer) until it is done.
             result = await asyncio.shield(pushing)
+        finally:
+            _when_done(pushing, self._staging_slots.release)
         if not result.duplicate:
             metrics.BYTES_PUSHED.inc(h.numel * (4 if h.dtype == pb.FLOAT32 else 2))
         _observe_push(started, result)
@@ -416,6 +424,14 @@ class ShardDataPlane:
             versions = self._versions[piece] = VersionFollower(source, self.chunk_bytes, asyncio.get_running_loop())
             self._versions_ready.set()
         return versions
+
+
+def _when_done(work: asyncio.Future[PushResult] | None, release: Callable[[], object]) -> None:
+    """Call ``release`` once ``work`` (a push's thread, on the loop) is done, at once if it is or never started."""
+    if work is None or work.done():
+        release()
+    else:
+        work.add_done_callback(lambda _: release())
 
 
 def _observe_push(started: float, result: PushResult) -> None:

@@ -183,9 +183,23 @@ class LocalPsClient:
     def pull_at(self, version: int, out: torch.Tensor) -> None:
         check_pull_buffer(out, self.total)
         with self._call(), _translated():
+            deadline = time.monotonic() + self._pull_timeout_s
             for r, shard in zip(self.ranges, self._shards, strict=True):
-                with shard.read_at(version, self._pull_timeout_s) as params:
-                    out[r.start : r.end].copy_(params)
+                while True:  # in slices, as ``_pull_one`` waits: ``close(cancel=True)`` ends the wait at once
+                    if self._cancel.is_set():
+                        raise Cancelled(f"pull of version {version} cancelled: the client was closed")
+                    remaining = deadline - time.monotonic()
+                    try:
+                        with shard.read_at(version, max(0.0, min(CANCEL_POLL_S, remaining))) as params:
+                            out[r.start : r.end].copy_(params)
+                        break
+                    except shard_errors.WaitTimeout as exc:
+                        if remaining > CANCEL_POLL_S:
+                            continue
+                        raise WaitTimeout(
+                            f"shard {shard.shard_id} has no version {version} to read within "
+                            f"{self._pull_timeout_s:.1f}s"
+                        ) from exc
 
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
         """Each piece waits in a thread of its own (a shard's read blocks), so the caller goes on at once."""
@@ -197,16 +211,26 @@ class LocalPsClient:
             if self._pulls is None:
                 self._pulls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="local-pull")
             pool = self._pulls
+            self._in_flight += len(pieces)  # in flight from now, queued or not: ``close`` lets them finish
         deadline = time.monotonic() + self._pull_timeout_s
 
         def pull(p: ShardRange) -> int:
-            with self._call():
-                return self._pull_one(self._shards[p.shard_id], min_version, out[p.start : p.end], deadline, p.start)
+            return self._pull_one(self._shards[p.shard_id], min_version, out[p.start : p.end], deadline, p.start)
 
+        futures: list[Future[int]] = []
         try:
-            return PullHandle([pool.submit(pull, p) for p in pieces])
-        except RuntimeError as exc:  # close() shut the pool down between the check and the submit
+            for p in pieces:
+                futures.append(pool.submit(pull, p))
+                futures[-1].add_done_callback(lambda _: self._landed(1))  # run, failed or cancelled by close
+        except RuntimeError as exc:  # close(cancel=True) shut the pool down between the check and the submit
+            self._landed(len(pieces) - len(futures))
             raise Cancelled("the parameter-server client is closed") from exc
+        return PullHandle(futures)
+
+    def _landed(self, calls: int) -> None:
+        with self._cond:
+            self._in_flight -= calls
+            self._cond.notify_all()
 
     def close(self, cancel: bool = False) -> None:
         """Refuse new calls; with ``cancel`` end waiting pulls now, else wait for calls in flight."""
@@ -231,9 +255,7 @@ class LocalPsClient:
         try:
             yield
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
+            self._landed(1)
 
     def _pull_one(
         self, shard: PiecedShard, min_version: int, dest: torch.Tensor, deadline: float, piece: int | None = None

@@ -147,12 +147,12 @@ def serve_shard(
     if reply.resume_step > 0:
         try:
             state = load_state(Path(job.checkpoint_dir), shard_id, reply.start, reply.end, reply.resume_step)
+            shard = PiecedShard.restore(
+                state, pieces, job.optimizer, job.lr_schedule, job.workers, policy, layers, job.push_dtype or pb.FLOAT32
+            )
         except CheckpointError as exc:
             log.error("%s", exc)
             return EXIT_JOB_FAILED  # a restart would find the same files
-        shard = PiecedShard.restore(
-            state, pieces, job.optimizer, job.lr_schedule, job.workers, policy, layers, job.push_dtype or pb.FLOAT32
-        )
         log.info("shard %d resumes from its checkpoint of step %d", shard_id, reply.resume_step)
     else:
         initial = fetch_initial(stub, shard_id, reply.end - reply.start)

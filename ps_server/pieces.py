@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.ps_server.checkpoint import ShardState
+from pstrain.ps_server.checkpoint import CheckpointError, ShardState
 from pstrain.ps_server.errors import InvalidArgument, WaitTimeout
 from pstrain.ps_server.layerwise import Layers
 from pstrain.ps_server.shard import PUSH_DTYPES, CheckpointPolicy, ParameterShard, PushResult, ShardSnapshot
@@ -118,7 +118,7 @@ class PiecedShard:
         layers: Layers | None = None,
         push_dtype: int = pb.FLOAT32,
     ) -> PiecedShard:
-        """A shard continuing from a checkpoint (written with any bucket size)."""
+        """A shard continuing from a checkpoint (written with any bucket size; see ``split_optimizer_state``)."""
         if (state.start, state.end) != (pieces[0].start, pieces[-1].end):
             raise InvalidArgument(
                 f"checkpoint holds [{state.start}, {state.end}), the shard is [{pieces[0].start}, {pieces[-1].end})"
@@ -389,14 +389,18 @@ def as_pieced(shard: ParameterShard | PiecedShard) -> PiecedShard:
 # ---------------------------------------------------------------------- optimizer state: join and split
 
 _PER_PIECE = "piece_values"  # entries that are not per element and differ between pieces (e.g. Adam's step)
+_PIECE_SIZES = "piece_sizes"  # with ``_PER_PIECE``: the writer's pieces, whose values those are
+_ABSENT = "absent"  # under ``_PER_PIECE``: the piece had no such entry (it never stepped: torch makes state lazily)
 
 
 def join_states(states: Sequence[ShardState]) -> ShardState:
     """One shard's state from its pieces' states at the same version, as an unpieced shard writes it.
 
     Per-element optimizer tensors (same length as their piece) are concatenated; anything else
-    (step counters) is taken from the first piece, and kept per piece under ``piece_values`` when
-    the pieces disagree (a step one piece skipped and another applied).
+    (step counters) is taken from the first piece that has it, and kept per piece under ``piece_values``
+    when the pieces disagree (a step one piece skipped and another applied). A piece that never stepped
+    has no state at all (torch makes it at the first step): its span of a per-element entry is zeros and it
+    is marked absent under ``piece_values``, so restoring it with the same pieces starts it fresh again.
     """
     first = states[0]
     if len(states) == 1:
@@ -406,26 +410,44 @@ def join_states(states: Sequence[ShardState]) -> ShardState:
         raise InvalidArgument(f"pieces snapshotted at different versions {sorted(versions)}")
     params = torch.cat([s.params for s in states])
     entries = [s.optimizer["state"].get(0, {}) for s in states]
+    keys = list(dict.fromkeys(key for entry in entries for key in entry))  # every piece's, in first-seen order
     joined: dict[str, Any] = {}
     per_piece: list[dict[str, Any]] = [{} for _ in states]
-    for key, value in entries[0].items():
+    for key in keys:
         values = [e.get(key) for e in entries]
-        if all(_per_element(v, s.end - s.start) for v, s in zip(values, states, strict=True)):
-            joined[key] = torch.cat([v for v in values if isinstance(v, torch.Tensor)])
-        else:
-            joined[key] = value
-            if any(not _same(v, value) for v in values):
-                for kept, v in zip(per_piece, values, strict=True):
-                    kept[key] = v
+        present = [(v, st) for v, e, st in zip(values, entries, states, strict=True) if key in e]
+        if all(_per_element(v, st.end - st.start) for v, st in present):
+            like = present[0][0]
+            joined[key] = torch.cat(
+                [
+                    v if key in e else torch.zeros(st.end - st.start, dtype=like.dtype)
+                    for v, e, st in zip(values, entries, states, strict=True)
+                ]
+            )
+            if len(present) < len(states):
+                for kept, e in zip(per_piece, entries, strict=True):
+                    if key not in e:
+                        kept[key] = _ABSENT
+            continue
+        value = present[0][0]
+        joined[key] = value
+        if len(present) < len(states) or any(not _same(v, value) for v, _ in present):
+            for kept, v, e in zip(per_piece, values, entries, strict=True):
+                kept[key] = v if key in e else _ABSENT
     groups = first.optimizer["param_groups"]
     optimizer: dict[str, Any] = {"state": {0: joined} if joined else {}, "param_groups": groups}
     if any(per_piece):
         optimizer[_PER_PIECE] = per_piece
+        optimizer[_PIECE_SIZES] = [st.end - st.start for st in states]
     return ShardState(first.shard_id, first.start, states[-1].end, first.version, params, optimizer)
 
 
 def split_optimizer_state(state: dict[str, Any] | None, sizes: Sequence[int]) -> list[dict[str, Any] | None]:
-    """The inverse of ``join_states`` for pieces of ``sizes`` (which may differ from the writer's)."""
+    """The inverse of ``join_states`` for pieces of ``sizes`` (which may differ from the writer's).
+
+    With other pieces than the writer's, a piece's per-piece values are those of the writer's first piece; that
+    cannot stand for a piece that had never stepped (its state is absent, not the first piece's), so such a
+    checkpoint is only restored with the pieces it was written with."""
     if state is None:
         return [None] * len(sizes)
     if len(sizes) == 1 and _PER_PIECE not in state:
@@ -433,22 +455,40 @@ def split_optimizer_state(state: dict[str, Any] | None, sizes: Sequence[int]) ->
     entry = state["state"].get(0, {})
     total = sum(sizes)
     per_piece = state.get(_PER_PIECE)
-    if per_piece is not None and len(per_piece) != len(sizes):
+    written = state.get(_PIECE_SIZES)  # older checkpoints lack it: their piece count is all there is to compare
+    same = per_piece is not None and (
+        list(written) == list(sizes) if written is not None else len(per_piece) == len(sizes)
+    )
+    if per_piece is not None and not same:
+        if any(_absent(v) for kept in per_piece for v in kept.values()):
+            cut = f"pieces of {list(written)} elements" if written is not None else f"{len(per_piece)} pieces"
+            raise CheckpointError(
+                f"this checkpoint was written by a shard cut into {cut}, some of which had never stepped (their "
+                f"optimizer state is empty); it restores only into those pieces, not {list(sizes)}: resume with "
+                "the transport.bucket_bytes it was written with"
+            )
         per_piece = None  # another bucketing wrote it: the first piece's values stand for all
     out: list[dict[str, Any] | None] = []
     offset = 0
     for index, n in enumerate(sizes):
         piece: dict[str, Any] = {}
         for key, value in entry.items():
+            kept = per_piece[index] if per_piece is not None else {}
+            if _absent(kept.get(key)):
+                continue  # this piece had never stepped: torch makes its state at its first step
             if _per_element(value, total):
                 piece[key] = value[offset : offset + n].clone()
-            elif per_piece is not None and key in per_piece[index]:
-                piece[key] = per_piece[index][key]
+            elif key in kept:
+                piece[key] = kept[key]
             else:
                 piece[key] = value.clone() if isinstance(value, torch.Tensor) else value
         offset += n
         out.append({"state": {0: piece} if piece else {}, "param_groups": [dict(g) for g in state["param_groups"]]})
     return out
+
+
+def _absent(value: object) -> bool:
+    return isinstance(value, str) and value == _ABSENT
 
 
 def _per_element(value: object, numel: int) -> bool:

@@ -32,7 +32,7 @@ from pstrain.ps_server.shard import ParameterShard, PushResult
 from pstrain.ps_server.shm import NotColocated, SharedRegions, StaleRegion
 from pstrain.runtime.admission import Overloaded
 from pstrain.runtime.identity import PermissionDenied
-from pstrain.runtime.shm_region import HEADER_BYTES
+from pstrain.runtime.shm_region import HEADER_BYTES, ShmError
 from pstrain.runtime.transport import abort_on_errors, full_service_name
 
 translate = abort_on_errors(
@@ -47,6 +47,7 @@ translate = abort_on_errors(
         Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
         NotColocated: grpc.StatusCode.FAILED_PRECONDITION,
         StaleRegion: grpc.StatusCode.ABORTED,
+        ShmError: grpc.StatusCode.RESOURCE_EXHAUSTED,  # no room for a worker's regions: it streams instead
         BulkRefused: grpc.StatusCode.FAILED_PRECONDITION,
         StaleBulk: grpc.StatusCode.ABORTED,
     }

@@ -163,15 +163,28 @@ class SharedRegions:
 
     def view(self, pair: RegionPair, where: slice) -> torch.Tensor:
         """A pushed float32 piece where it lies in the push region (the shard reads it before the ack)."""
-        return pair.push.data[where]
+        return self._data(pair, push=True)[where]
 
     def take(self, pair: RegionPair, where: slice, out: torch.Tensor) -> torch.Tensor:
         """Copy a pushed piece out of the push region into ``out`` (of the pushed dtype)."""
-        out.copy_(pair.push.data[where])
+        out.copy_(self._data(pair, push=True)[where])
         return out
 
     def put(self, pair: RegionPair, where: slice, published: torch.Tensor) -> None:
-        pair.pull.data[where].copy_(published)
+        self._data(pair, push=False)[where].copy_(published)
+
+    def _data(self, pair: RegionPair, push: bool) -> torch.Tensor:
+        """``pair``'s push (or pull) region, if the pair is still its worker's; ``StaleRegion`` if the worker opened a
+        new pair (or closed it, or the shard stopped) since the call found it: a pull waits for its version in
+        between, and a replaced pair's tensors are emptied. Taken under the lock, before any close can start (a
+        pair leaves ``_pairs`` first), the tensor keeps its pages mapped however the pair is closed meanwhile."""
+        with self._lock:
+            if self._pairs.get(pair.worker_id) is not pair:
+                raise StaleRegion(
+                    f"worker {pair.worker_id}'s shared-memory regions on this shard were replaced or closed during "
+                    f"the call; open them again (or stream)"
+                )
+            return (pair.push if push else pair.pull).data
 
 
 __all__ = ["HEADER_BYTES", "NotColocated", "RegionPair", "SharedRegions", "StaleRegion"]

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 RETRY_AFTER_S = 60.0  # a shard whose bulk port could not be reached is streamed to this long, then tried again
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What a shard answers OpenBulk when it never offers bulk sockets: TLS or bulk off (FAILED_PRECONDITION), a shard that
+# predates them (UNIMPLEMENTED). Any other refusal (an overloaded shard, an error) is tried again after the back-off.
+_REFUSED_FOR_GOOD = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 
 class HandshakeRejected(ConnectionError):
@@ -213,8 +216,10 @@ class BulkClient:
                 pb.BulkRequest(shard_id=shard_id, worker_id=worker_id), timeout=CONTROL_TIMEOUT_S
             )
         except grpc.RpcError as exc:
-            if exc.code() not in _TRANSIENT:  # refused for good: TLS, bulk off, an older shard
+            if exc.code() in _REFUSED_FOR_GOOD:
                 self._refused(shard_id, f"OpenBulk: {exc.code().name}")
+            elif exc.code() not in _TRANSIENT:
+                self._back_off(shard_id, f"OpenBulk: {exc.code().name}: {exc.details()}")
             return None
         with self._lock:
             self._grants[(shard_id, worker_id)] = grant
@@ -227,6 +232,21 @@ class BulkClient:
                 return
             self._off[shard_id] = math.inf
         log.info("shard %d at %s: no bulk sockets (%s); streaming over gRPC", shard_id, self.addresses[shard_id], why)
+
+    def _back_off(self, shard_id: int, why: str) -> None:
+        """Stream to the shard for ``RETRY_AFTER_S``, then ask it for a grant again."""
+        with self._lock:
+            now = self.clock()
+            if self._off.get(shard_id, -math.inf) > now:
+                return
+            self._off[shard_id] = now + RETRY_AFTER_S
+        log.warning(
+            "shard %d at %s refused a bulk socket (%s); streaming over gRPC, asking again in %.0f s",
+            shard_id,
+            self.addresses[shard_id],
+            why,
+            RETRY_AFTER_S,
+        )
 
     def _unreachable(self, shard_id: int, port: int, exc: OSError) -> None:
         """Stream to the shard for ``RETRY_AFTER_S``; its grants are asked again then (the shard may have restarted

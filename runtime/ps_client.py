@@ -256,6 +256,10 @@ class PsClient:
         self._pull_timeout_s = pull_timeout_s
         self._closed = threading.Event()
         self._cancelled = threading.Event()
+        # Combined push-and-pull calls whose pull has not settled: their gRPC call outlives any pool task, so
+        # ``close`` without cancel waits for these, not only for the pools.
+        self._open_pulls = 0
+        self._pulls_settled = threading.Condition()
         self._channels = [open_channel(a, security) for a in addresses]
         self._stubs = [_ShardStub(c) for c in self._channels]
         self.shared = SharedMemory(
@@ -334,14 +338,25 @@ class PsClient:
         sources = placed_sources(flat, pieces, placed)
         acks: list[Future[ShardAck]] = []
         pulls: list[Future[int]] = []
+        with self._pulls_settled:  # atomic with ``close``'s look at the count: counted here, or refused below
+            closed = self._closed.is_set()
+            if not closed:
+                self._open_pulls += len(pieces)
         for p, source in zip(pieces, sources, strict=True):
             acked: Future[ShardAck] = Future()
             pulled: Future[int] = Future()
             args = (p, source, worker_id, step, device_count, out[p.start : p.end], acked, pulled)
-            self._start_push_pull(args)
+            if not closed:
+                pulled.add_done_callback(self._pull_settled)
+            self._start_push_pull(args, follow_up=not closed)
             acks.append(acked)
             pulls.append(pulled)
         return PushHandle(acks), PullHandle(pulls)
+
+    def _pull_settled(self, _: Future[int]) -> None:
+        with self._pulls_settled:
+            self._open_pulls -= 1
+            self._pulls_settled.notify_all()
 
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
         check_pull_buffer(out, self.total)
@@ -382,16 +397,21 @@ class PsClient:
         assembler.result()
 
     def close(self, cancel: bool = False) -> None:
-        """Release the channels; with ``cancel`` in-flight calls fail at once with ``Cancelled``."""
-        self._closed.set()
-        if not cancel:  # the shards unlink this client's regions now, not when they stop
-            self.shared.close()
+        """Release the channels. Calls made from here on fail with ``Cancelled``; those in flight finish first (a
+        combined push-and-pull call too, with the pull it started), or with ``cancel`` fail at once."""
+        with self._pulls_settled:
+            self._closed.set()
         if cancel:
             self._cancelled.set()
             for channel in self._channels:
                 channel.close()  # in-flight RPCs end with CANCELLED
+        else:
+            with self._pulls_settled:  # each one is bounded by its deadline
+                self._pulls_settled.wait_for(lambda: self._open_pulls == 0)
         self._pool.shutdown(wait=True, cancel_futures=cancel)
         self._pulls.shutdown(wait=True, cancel_futures=cancel)
+        if not cancel:  # the shards unlink this client's regions now, not when they stop; no call uses them now
+            self.shared.close()
         log.info("closing; payloads moved: %s", self.shared.counts)
         self.shared.unmap(unpin=not cancel)
         self.bulk.close()
@@ -399,9 +419,15 @@ class PsClient:
             channel.close()
 
     def _submit(
-        self, fn: Callable[..., T], r: ShardRange, *args: object, pool: ThreadPoolExecutor | None = None
+        self,
+        fn: Callable[..., T],
+        r: ShardRange,
+        *args: object,
+        pool: ThreadPoolExecutor | None = None,
+        follow_up: bool = False,
     ) -> Future[T]:
-        if self._closed.is_set():
+        """``follow_up``: the next part of a call made before ``close``, which that close lets finish."""
+        if self._closed.is_set() and not follow_up:
             raise Cancelled("the parameter-server client is closed")
         try:
             return (pool or self._pool).submit(self._translated, fn, r, *args)
@@ -492,11 +518,11 @@ class PsClient:
         self.shared.count(streamed=0 if piece is None else r.numel * piece.element_size())
         return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
-    def _start_push_pull(self, args: _PushPull) -> None:
+    def _start_push_pull(self, args: _PushPull, follow_up: bool) -> None:
         """Hand one piece's push-and-pull to the push pool; whatever fails before it settles both futures."""
         acked, pulled = args[-2], args[-1]
         try:
-            started = self._submit(self._push_pull_one, *args)
+            started = self._submit(self._push_pull_one, *args, follow_up=follow_up)
         except Cancelled as exc:
             _settle(acked, exc)
             _settle(pulled, exc)
@@ -537,7 +563,7 @@ class PsClient:
         except grpc.RpcError as exc:
             if exc.code() in _SHM_REFUSED:  # refused before the push was taken: push and pull the other way
                 self.shared.disable(r.shard_id)
-                self._start_push_pull(args)
+                self._start_push_pull(args, follow_up=True)
                 return
             error = self._error_of(r, exc)
             _settle(acked, error)
@@ -567,7 +593,7 @@ class PsClient:
     def _then(self, into: Future[T], fn: Callable[..., T], r: ShardRange, *args: object) -> None:
         """Run ``fn(r, *args)`` on the pull pool and settle ``into`` with its outcome."""
         try:
-            task = self._submit(fn, r, *args, pool=self._pulls)
+            task = self._submit(fn, r, *args, pool=self._pulls, follow_up=True)
         except Cancelled as exc:
             _settle(into, exc)
             return

@@ -75,11 +75,18 @@ def create(numel: int, nonce: bytes, directory: str = SHM_DIR) -> Region:
     try:
         size = HEADER_BYTES + 4 * numel
         os.ftruncate(fd, size)
+        # Every page now, not on first write: a tmpfs that fills up (Docker's 64 MiB /dev/shm, many workers) then
+        # refuses the region here, where the caller streams instead, rather than killing the writer with SIGBUS.
+        os.posix_fallocate(fd, 0, size)
         mapped = mmap.mmap(fd, size)
     except OSError as exc:
         os.close(fd)
         unlink(path)
-        raise ShmError(f"cannot size {path}: {exc}") from exc
+        raise ShmError(
+            f"cannot size {path} to {HEADER_BYTES + 4 * numel} bytes: {exc} (a colocated worker needs two regions "
+            f"of its shard's size per shard; enlarge {directory} (Docker: --shm-size) or set "
+            f"transport.shared_memory: off)"
+        ) from exc
     os.close(fd)
     mapped[: _HEADER.size] = _HEADER.pack(MAGIC, nonce, numel)
     _NAMED.add(path)

@@ -8,11 +8,13 @@ import torch
 from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.errors import ConfigError
 from pstrain.protos import pstrain_pb2 as pb
+from pstrain.ps_server.checkpoint import CheckpointError, load_state, save_state
 from pstrain.ps_server.errors import InvalidArgument, StepConflict
 from pstrain.ps_server.pieces import PiecedShard, join_states, split_optimizer_state
+from pstrain.ps_server.shard import CheckpointPolicy
 from pstrain.runtime.buckets import bucket_bounds, plan_buckets, shard_pieces
 from pstrain.runtime.layout import ParamLayout
-from pstrain.runtime.shard_map import shard_ranges
+from pstrain.runtime.shard_map import ShardRange, shard_ranges
 
 SHAPES = [(300,), (7, 40), (1,), (50, 50), (0,), (90,), (4096,), (3, 3)]
 LAYOUT = ParamLayout.from_shapes([f"p{i}" for i in range(len(SHAPES))], SHAPES)
@@ -101,3 +103,38 @@ def test_transport_bucket_bytes_is_validated_and_defaults_to_8_mib() -> None:
     assert parse_config({**base, "transport": {"bucket_bytes": 0}}).transport.bucket_bytes == 0
     with pytest.raises(ConfigError, match=r"transport\.bucket_bytes"):
         parse_config({**base, "transport": {"bucket_bytes": 100}})
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("skipped", ["first piece", "last piece"])
+def test_a_checkpoint_of_pieces_that_stepped_unequally_resumes_bit_for_bit(optimizer, skipped, tmp_path) -> None:
+    """A bucket found non-finite during backward: the pieces pushed before it step, it and the ones after are
+    skipped; at step 0 that leaves some pieces with optimizer state and others (never stepped) without. Written
+    and read back as a checkpoint file, the shard resumes with the same pieces exactly as it would have gone on,
+    and into other pieces (another ``bucket_bytes``) it is refused by name rather than restored wrong."""
+    spec = (
+        pb.OptimizerSpec(name="adam", beta1=0.9, beta2=0.999, eps=1e-8)
+        if optimizer == "adam"
+        else pb.OptimizerSpec(name="sgd", momentum=0.9, dampening=0.5)
+    )
+    lr = pb.LrSchedule(scaled_lr=0.1)
+    pieces = [ShardRange(0, 0, 4), ShardRange(0, 4, 10)]
+    saved: list = []
+    every_step = CheckpointPolicy(1, 100, saved.append)
+    live = PiecedShard.build(pieces, torch.arange(10.0), spec, lr, 1, checkpoints=every_step)
+    g = torch.linspace(-1, 1, 10)
+    stepped, skips = (pieces[1], pieces[0]) if skipped == "first piece" else (pieces[0], pieces[1])
+    live.push(0, 0, g[stepped.start : stepped.end].clone(), 1, piece_start=stepped.start)
+    live.push(0, 0, None, 1, skip=True, piece_start=skips.start)
+    assert saved and saved[-1].version == 1
+    save_state(tmp_path, saved[-1])
+    state = load_state(tmp_path, 0, 0, 10, 1)  # read back through the checkpoint file format
+    restored = PiecedShard.restore(state, pieces, spec, lr, 1)
+    for step in (1, 2):
+        grad = g * (step + 3) ** 2 + step
+        for shard in (live, restored):
+            shard.push(0, step, grad.clone(), 1)
+    assert torch.equal(live.parameters()[1], restored.parameters()[1])
+    for other in ([ShardRange(0, 0, 10)], [ShardRange(0, 0, 6), ShardRange(0, 6, 10)]):  # as many pieces, or not
+        with pytest.raises(CheckpointError, match=r"pieces of \[4, 6\] elements.*not \[(10|6, 4)\]"):
+            PiecedShard.restore(state, other, spec, lr, 1)

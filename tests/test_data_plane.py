@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -9,12 +10,15 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos.codec import PushPart, TensorAssembler, decode_pull_reply, decode_push_request, encode_push_chunks
-from pstrain.ps_server.data_plane import PullCall, PushCall, ShardDataPlane
+from pstrain.ps_server.bulk import BulkSocket
+from pstrain.ps_server.data_plane import BULK_IO_THREADS, PUSHES_STAGED, PullCall, PushCall, ShardDataPlane
 from pstrain.ps_server.errors import InvalidArgument, StepConflict, WaitTimeout
+from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.ps_server.shm import StaleRegion
 from pstrain.runtime import shm_region
 from pstrain.runtime.identity import PermissionDenied
+from pstrain.runtime.shard_map import ShardRange
 
 NUMEL = 10
 SGD = pb.OptimizerSpec(name="sgd")
@@ -187,3 +191,101 @@ def test_a_colocated_piece_is_pushed_and_pulled_through_the_regions():
         push.close()
         pull.close()
         data_plane.close()
+
+
+@pytest.mark.parametrize("call", ["a pull waiting for its version", "a push stream waiting for its end"])
+def test_regions_replaced_during_a_call_make_it_stale_and_change_nothing(call):
+    """The worker opens its regions again (or closes them) while a call that found the old pair still waits: the
+    call is told its regions are stale (ABORTED: the worker opens again or streams), never reads or writes the
+    emptied tensors of the old pair, and the shard is as it was."""
+    initial = torch.linspace(-1, 1, NUMEL)
+    data_plane = ShardDataPlane()
+    shard = ParameterShard(0, 0, NUMEL, initial.clone(), SGD, LR, workers=1)
+    data_plane.attach(shard, chunk_bytes=12)
+    old = data_plane.regions.open(0, "ipv4:127.0.0.1:40000")
+
+    async def run():
+        if call == "a pull waiting for its version":
+            waiting = data_plane.pull_shared(PullCall(0, 1, piece=0, shm_worker=0, shm_nonce=old.nonce), admit())
+            pending = asyncio.ensure_future(waiting)
+            await asyncio.sleep(0)  # the pull runs up to its wait for version 1, the pair found before that
+            new = data_plane.regions.open(0, "ipv4:127.0.0.1:40000")
+            new.push.data[:] = torch.ones(NUMEL)
+            await data_plane.push_shared(header(0, 0, piece=0, shm_nonce=new.nonce))  # version 1 appears
+        else:
+            reading, ended = asyncio.Event(), asyncio.Event()
+
+            async def tail() -> AsyncIterator[PushPart]:  # the stream's half-close comes a moment later
+                reading.set()  # the push found its pair and now reads the rest of its stream
+                await ended.wait()
+                return
+                yield
+
+            pending = asyncio.ensure_future(data_plane.push(header(0, 0, shm_nonce=old.nonce), None, tail(), lambda: 5))
+            await asyncio.wait_for(reading.wait(), 10)
+            data_plane.regions.open(0, "ipv4:127.0.0.1:40000")
+            ended.set()
+        with pytest.raises(StaleRegion, match="replaced or closed during the call"):
+            await pending
+
+    try:
+        asyncio.run(run())
+        if call == "a push stream waiting for its end":
+            assert shard.version == 0 and torch.equal(shard.parameters()[1], initial)
+        else:
+            assert shard.version == 1  # the new pair's push went through
+    finally:
+        data_plane.close()
+
+
+def test_a_cancelled_push_keeps_its_staging_slot_until_its_thread_is_done():
+    """A push cancelled while its thread still works (here: waiting for a piece whose lock an update holds) keeps
+    its staging slot and buffer until that thread ends, so no more than ``PUSHES_STAGED`` pushes hold buffers and
+    bulk threads at once however often workers give up and retry, and a bulk pull of another piece still finds a
+    thread to be sent on."""
+    shard = PiecedShard.build([ShardRange(0, 0, 4), ShardRange(0, 4, 8)], torch.zeros(8), SGD, LR, 1)
+    data_plane = ShardDataPlane()
+    data_plane.shared_memory = False
+    data_plane.attach(shard, chunk_bytes=12)
+    acquired = []
+    real_acquire = data_plane._pool.acquire
+    data_plane._pool.acquire = lambda *args: acquired.append(args) or real_acquire(*args)  # type: ignore[method-assign]
+    peers: list[socket.socket] = []
+
+    def bulk_socket(ticket: bytes, payload: torch.Tensor | None) -> BulkSocket:
+        ours, theirs = socket.socketpair()
+        peers.extend([ours, theirs])
+        if payload is not None:
+            theirs.sendall(payload.numpy().tobytes())
+        return BulkSocket(ours, 0, ticket)
+
+    async def run() -> tuple[bool, int]:
+        for i in range(BULK_IO_THREADS):  # every one of them cancelled, as a worker's deadline would
+            call = PushCall(0, 0, 0, 1, pb.FLOAT32, 4, piece=0)
+            push = asyncio.ensure_future(
+                data_plane.push(call, bulk_socket(bytes([i]) * 16, torch.ones(4)), None, lambda: 5.0)
+            )
+            await asyncio.sleep(0.02)
+            push.cancel()
+            await asyncio.gather(push, return_exceptions=True)
+        pull = PullCall(0, 0, piece=4, bulk_numel=4)
+        puller = bulk_socket(b"p" * 16, None)
+        sent = asyncio.ensure_future(data_plane.pull_bulk(pull, puller, admit(), lambda: 5.0, 5.0))
+        done, _ = await asyncio.wait({sent}, timeout=5.0)
+        return bool(done), len(acquired)
+
+    busy = shard.pieces[0]._cond
+    busy.acquire()  # an update of piece 0 holds its lock
+    try:
+        pulled, buffers = asyncio.run(run())
+    finally:
+        busy.release()
+    try:
+        assert pulled, "no bulk thread was left for the pull of piece 1"
+        assert buffers == PUSHES_STAGED  # the other pushes were cancelled waiting for a slot: no buffer, no thread
+        with shard.pieces[0].read(1, 10) as (version, _):  # the threads go on once the lock is free
+            assert version == 1  # the first push applied; the rest were its duplicates
+    finally:
+        data_plane.close()
+        for s in peers:
+            s.close()

@@ -275,6 +275,96 @@ def test_a_parameter_unused_in_a_step_gets_a_zero_in_the_sum_and_does_not_stall_
         shared.close()
 
 
+class Gated(nn.Module):
+    """A layer whose second parameter its forward does not use (its backward runs, that parameter gets no grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(16))
+        self.extra = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Detached(nn.Module):
+    """``a``'s output reaches the loss only through a ``detach``: backward prefetches ``a`` and never runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x).detach()))
+
+
+@pytest.mark.parametrize("case", ["a parameter without a gradient", "a layer backward never reaches"])
+def test_each_forward_computes_on_the_parameters_the_host_buffer_holds_then(case):
+    """A layer's device copy never outlives its step: the next forward fetches what the pull wrote, as a replica
+    without offload reads it, even for a layer whose backward left a parameter without a gradient, or one that
+    backward prefetched and never reached."""
+
+    def build():
+        torch.manual_seed(0)
+        if case == "a parameter without a gradient":
+            return nn.Sequential(nn.Linear(16, 16), Gated(), nn.Linear(16, 5))
+        return Detached()
+
+    watched = "1.weight" if case == "a parameter without a gradient" else "a.weight"
+    layout = ParamLayout.of(build())
+    start = layout.offsets[layout.names.index(watched)]
+    numel = int(torch.Size(layout.shapes[layout.names.index(watched)]).numel())
+    for offload in (False, True):
+        replica = Replica.build(build(), torch.device("cpu"), layout, False, MemoryPolicy({}, 1, 4 << 30, offload))
+        owner = replica.model.get_submodule(watched.rpartition(".")[0])
+        seen: list[float] = []
+
+        def record(module: nn.Module, args: object, seen: list[float] = seen) -> None:
+            seen.append(float(module.weight.detach().flatten()[0]))
+
+        owner.register_forward_pre_hook(record)
+        for step, (x, y) in enumerate(batches(3)):
+            with torch.no_grad():
+                replica.flat_params[start : start + numel].fill_(float(step + 1))  # what a pull of a version writes
+            replica.forward_backward(x, y, CE)
+        assert seen == [1.0, 2.0, 3.0], f"offload={offload}"
+        if offload:
+            host = replica.flat_params.untyped_storage().data_ptr()
+            assert all(p.untyped_storage().data_ptr() == host for p in replica.model.parameters())
+
+
+class Skippable(nn.Module):
+    """``b`` runs only when ``use_b`` is set: a forward that skips it leaves the copy ``a`` prefetched for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        return self.c(self.b(x) if self.use_b else x)
+
+
+def test_a_copy_prefetched_in_a_step_without_backward_is_not_used_in_the_next():
+    """A step whose loss is not finite ends after forward (no backward, so no ``finish_step``): a layer forward
+    prefetched but did not run must not keep its copy, or the next forward that runs it computes on old values."""
+    torch.manual_seed(0)
+    layout = ParamLayout.of(Skippable())
+    torch.manual_seed(0)
+    replica = Replica.build(Skippable(), torch.device("cpu"), layout, False, MemoryPolicy({}, 1, 4 << 30, True))
+    start = layout.offsets[layout.names.index("b.weight")]
+    seen: list[float] = []
+    replica.model.b.register_forward_pre_hook(lambda module, args: seen.append(float(module.weight.detach()[0, 0])))
+    x, y = batches(1)[0]
+    replica.forward(x, y, CE)  # ``a`` prefetches ``b``, which does not run; the step is dropped here
+    with torch.no_grad():
+        replica.flat_params[start : start + 256].fill_(2.0)  # the next version's ``b``, as a pull writes it
+    replica.model.use_b = True
+    replica.forward_backward(x, y, CE)
+    assert seen == [2.0]
+
+
 def test_offloaded_workers_train_bitwise_like_plain_ones_through_per_bucket_pushes():
     results = []
     for offload in (False, True):

@@ -334,26 +334,46 @@ def test_a_one_device_pusher_places_its_buckets_and_checks_them_on_the_device(
             c.close()
 
 
+def two_bucket_plan(c: PsClient) -> BucketPlan:
+    """Two parameters, each a bucket of one shard's pieces; bucket 0 (backward's first) is the second half."""
+    pieces = all_pieces(c)
+    half = TOTAL // 2
+    first = Bucket(0, half, TOTAL, (1,), tuple(p for p in pieces if p.start >= half))
+    second = Bucket(1, 0, half, (0,), tuple(p for p in pieces if p.start < half))
+    return BucketPlan((first, second), (1, 0), TOTAL)
+
+
 @pytest.mark.parametrize("values", ["finite", "nan"])
-def test_a_device_sum_that_is_not_finite_leaves_the_verdict_to_the_host(cluster: Cluster, values: str) -> None:
+@pytest.mark.parametrize("buckets", ["one bucket", "a bucket that starts mid-vector"])
+def test_a_device_sum_that_is_not_finite_leaves_the_verdict_to_the_host(
+    cluster: Cluster, values: str, buckets: str
+) -> None:
     """The device's flag says "look": the host's pass over the bucket decides, with the placed pieces gathered
-    from the push regions (a finite bucket whose device sum overflowed is pushed; a NaN is not)."""
+    from the push regions to their own offsets (a finite bucket whose device sum overflowed is pushed, exactly as
+    computed; a NaN is not), in a bucket at the start of the flat vector and in one further on."""
     c = client(cluster, Pins())
-    plan = one_bucket_plan(c)
+    plan = one_bucket_plan(c) if buckets == "one bucket" else two_bucket_plan(c)
+    bucket = plan.buckets[0]
     grads = gradient(0, 0)
     if values == "nan":
-        grads[7] = float("nan")  # in the first piece: placed, so only the push region has it
+        grads[bucket.start + 7] = float("nan")  # in the bucket's first piece: placed, so only the region has it
     staging = torch.zeros(TOTAL)
     pusher = BucketPusher(plan, 1, c, 0, torch.empty(TOTAL), torch.empty(TOTAL), [staging], True, True)
     try:
         pusher.start(0)
-        pusher.gradient_ready(0, 0, FakeGpu(grads, staging, flag=False).stage)
+        pusher.gradient_ready(0, bucket.params[0], FakeGpu(grads, staging, flag=False).stage)
+        pusher.device_done(0, FakeGpu(grads, staging).stage)  # the other bucket, if any: placed, found finite
         result = pusher.finish()
         assert result.finite is (values == "finite")
-        assert [skipped for _, skipped, _ in result.handles] == [values == "nan"]
+        assert [skipped for _, skipped, _ in result.handles][:1] == [values == "nan"]
+        # The host looked at the bucket's own values: gathered to their offsets, nothing else overwritten.
+        torch.testing.assert_close(
+            staging[bucket.start : bucket.end], grads[bucket.start : bucket.end], rtol=0, atol=0, equal_nan=True
+        )
+        assert not staging[: bucket.start].any()
     finally:
         pusher.close()
-        c.close()
+        c.close(cancel=True)  # worker 1 never pushes: the pulls the pushes started would wait for it
 
 
 def test_staged_bucket_flags() -> None:

@@ -49,6 +49,10 @@ class ObservedShard(ParameterShard):
         self.reading.set()
         return super().read(min_version, timeout_s)
 
+    def read_at(self, version: int, timeout_s: float):  # type: ignore[no-untyped-def]
+        self.reading.set()
+        return super().read_at(version, timeout_s)
+
 
 @dataclass
 class Cluster:
@@ -199,13 +203,14 @@ def test_a_closed_shard_is_unavailable(cluster: Cluster) -> None:
         client.pull(0, torch.empty(TOTAL))
 
 
-def test_close_with_cancel_ends_a_waiting_pull_promptly(cluster: Cluster) -> None:
+@pytest.mark.parametrize("call", ["pull", "pull_at"])
+def test_close_with_cancel_ends_a_waiting_pull_promptly(cluster: Cluster, call: str) -> None:
     client = cluster.connect(pull_timeout_s=60)
     raised: list[BaseException] = []
 
     def pull() -> None:
         try:
-            client.pull(1, torch.empty(TOTAL))
+            getattr(client, call)(1, torch.empty(TOTAL))
         except BaseException as exc:  # noqa: BLE001 - inspected by the test
             raised.append(exc)
 
@@ -231,6 +236,61 @@ def test_close_lets_calls_finish_and_refuses_new_ones(cluster: Cluster) -> None:
     assert len(acks.wait()) == SHARDS
     with pytest.raises(Cancelled):
         client.pull(0, torch.empty(TOTAL))
+
+
+def test_close_lets_a_push_and_pull_in_flight_finish(cluster: Cluster) -> None:
+    """Without cancel, ``close`` refuses new calls but lets a push-and-pull in flight finish (over shared memory
+    one call, which waits for the step's other worker) before it lets go of the channels and regions: the caller
+    gets its acknowledgements and the new version, not ``Cancelled``."""
+    workers = [cluster.connect(), cluster.connect()]
+    pieces = shard_ranges(TOTAL, SHARDS)
+    out = torch.zeros(TOTAL)
+    pushed, pulled = workers[0].push_pull_pieces(torch.ones(TOTAL), pieces, 0, 0, 1, out)
+    deadline = time.monotonic() + 10
+    while not all(s.last_step_of(0) == 0 for s in cluster.shards):  # the shards have counted worker 0's pushes
+        assert time.monotonic() < deadline, "worker 0's pushes never reached the shards"
+        time.sleep(0.01)
+    closer = threading.Thread(target=workers[0].close)
+    closer.start()
+    while True:  # close has begun once the client refuses a new call
+        assert time.monotonic() < deadline, "close never began"
+        try:
+            workers[0].pull(0, torch.empty(TOTAL))
+        except Cancelled:
+            break
+    assert closer.is_alive(), "close returned with a pull in flight"
+    assert workers[1].push_pull_pieces(torch.ones(TOTAL), pieces, 1, 0, 1, torch.zeros(TOTAL))[1].wait() == 1
+    closer.join(10)
+    assert not closer.is_alive()
+    assert [(a.shard_id, a.duplicate) for a in pushed.wait()] == [(i, False) for i in range(SHARDS)]
+    assert pulled.wait() == 1
+    torch.testing.assert_close(out, cluster.initial - 0.5, rtol=0, atol=1e-6)  # the mean gradient is 1
+
+
+def test_close_lets_queued_piece_pulls_finish(cluster: Cluster) -> None:
+    """More piece pulls than the client has threads for wait for a version; ``close`` (no cancel) lets every one of
+    them finish once the version appears, those still queued behind the others included."""
+    client = cluster.connect()
+    pieces = shard_ranges(TOTAL, SHARDS)
+    outs = [torch.empty(TOTAL) for _ in range(40)]
+    handles = [client.pull_pieces(1, out, pieces) for out in outs]
+    closer = threading.Thread(target=client.close)
+    closer.start()
+    deadline = time.monotonic() + 10
+    while True:  # close has begun once the client refuses a new call; the pulls still wait for version 1
+        assert time.monotonic() < deadline, "close never began"
+        try:
+            client.pull(0, torch.empty(TOTAL))
+        except Cancelled:
+            break
+    pusher = cluster.connect()
+    for worker in (0, 1):
+        pusher.push(torch.ones(TOTAL), worker, 0, 1).wait()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert [h.wait() for h in handles] == [1] * len(handles)
+    for out in outs:
+        torch.testing.assert_close(out, cluster.initial - 0.5, rtol=0, atol=1e-6)  # the mean gradient is 1
 
 
 # ---------------------------------------------------------------------- S4: pieces

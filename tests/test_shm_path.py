@@ -8,6 +8,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 from collections.abc import Iterator
@@ -187,6 +188,54 @@ def test_opening_again_replaces_the_pair_and_a_stale_nonce_falls_back_to_streami
         client.close()
     cluster.stop()
     assert ours() - before == set()
+
+
+def test_a_shard_reserves_its_regions_pages_and_one_without_room_is_streamed_to(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A region's pages are taken when it is made, so a full ``/dev/shm`` (Docker's 64 MiB, say) refuses the regions
+    (RESOURCE_EXHAUSTED, nothing left behind) and the worker streams, instead of the first write into a sparse file
+    killing the writer with SIGBUS."""
+    stub = pb_grpc.ParameterServerStub(open_channel(cluster.addresses[0]))
+    opened = stub.OpenSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
+    for path in (opened.push_path, opened.pull_path):
+        assert os.stat(path).st_blocks * 512 >= os.stat(path).st_size  # not sparse: every page is there
+    stub.CloseSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
+    reference, plain = train(cluster, False, steps=2)
+    for client in plain:
+        client.close()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # what a full tmpfs answers
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = ours()
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.OpenSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "No space left" in refused.value.details() and "transport.shared_memory: off" in refused.value.details()
+    assert ours() == before  # nothing half-made stays in /dev/shm
+    again = start_cluster()
+    try:
+        params, clients = train(again, True, steps=2)
+        assert torch.equal(params, reference)
+        for client in clients:
+            assert client.shared.active == [] and client.shared.counts.streamed_bytes > 0
+            client.close()
+    finally:
+        again.stop()
+
+
+def test_a_client_closed_with_pushes_in_flight_leaves_no_regions_on_the_shards(cluster: Cluster) -> None:
+    """``close`` (no cancel) lets the pushes in flight finish, first pushes that open the regions included, and only
+    then tells the shards to drop this worker's regions: none is opened after the release and left mapped."""
+    client = cluster.client(0)
+    pieces = [p for r in client.ranges for p in pieces_of(r)]
+    pushed = client.push_pieces(torch.ones(TOTAL), pieces, 0, 0, 1)
+    client.close()
+    assert [a.duplicate for a in pushed.wait()] == [False] * len(pieces)
+    assert client.shared.counts.shared_bytes > 0  # the pushes did go through shared memory
+    assert all(not servicer.regions._pairs for servicer in cluster.servicers)
 
 
 def test_a_client_that_cannot_map_the_regions_streams(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,7 @@ from pstrain.protos.codec import encode_push_header
 from pstrain.ps_server import bulk as server_bulk
 from pstrain.ps_server.main import parse_args
 from pstrain.runtime import bulk_client
+from pstrain.runtime.admission import Overloaded
 from pstrain.runtime.bulk_socket import TICKET_BYTES, receive_exactly
 from pstrain.runtime.identity import IdentityHolder, MemberKeys
 from pstrain.runtime.ps_api import InvalidRequest
@@ -415,6 +416,15 @@ def refused() -> tuple[int, Callable[[], None]]:
     return port, lambda: None
 
 
+def clients_on_a_clock(cluster: Cluster) -> tuple[list[PsClient], list[float]]:
+    """A client per worker whose bulk back-offs read ``now[0]`` (the test moves it on) instead of the clock."""
+    now = [0.0]
+    clients = [client_of(cluster, w) for w in range(WORKERS)]
+    for client in clients:
+        client.bulk.clock = lambda: now[0]
+    return clients, now
+
+
 def one_step(clients: list[PsClient], step: int, pieces: list) -> torch.Tensor:  # type: ignore[type-arg]
     for w, client in enumerate(clients):
         grad = torch.randn(TOTAL, generator=torch.Generator().manual_seed(100 * step + w))
@@ -452,10 +462,7 @@ def test_an_unreachable_bulk_port_is_tried_once_then_streamed_to_until_the_back_
         for servicer in c.servicers:  # a firewall between the workers and the bulk ports
             real = servicer.bulk.grant
             servicer.bulk.grant = lambda w, i=0, real=real: (bad_port, real(w, i)[1])  # type: ignore[method-assign]
-        now = [0.0]
-        clients = [client_of(c, w) for w in range(WORKERS)]
-        for client in clients:
-            client.bulk.clock = lambda: now[0]
+        clients, now = clients_on_a_clock(c)
         with caplog.at_level(logging.WARNING, logger=bulk_client.__name__):
             assert torch.equal(one_step(clients, 0, pieces), want[0])  # streamed
         assert sorted(attempts) == [0, 0, 1, 1]  # one try per shard and client, however many pieces were sent
@@ -478,6 +485,47 @@ def test_an_unreachable_bulk_port_is_tried_once_then_streamed_to_until_the_back_
             client.close()
     finally:
         close_port()
+        c.stop()
+        reference.stop()
+
+
+def test_a_shard_that_cannot_grant_a_bulk_socket_now_is_asked_again_after_the_back_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An ``OpenBulk`` refused for a passing reason (RESOURCE_EXHAUSTED: the shard is overloaded) is not a refusal
+    for good, as TLS or bulk off are: the worker streams to that shard, asks again once the back-off is over, and
+    moves its tensors on bulk sockets from then on."""
+    reference, c = start_cluster(), start_cluster()
+    try:
+        want_clients = [client_of(reference, w, bulk=False) for w in range(WORKERS)]
+        pieces = [p for r in want_clients[0].ranges for p in pieces_of(r)]
+        want = [one_step(want_clients, step, pieces) for step in range(3)]
+        asked: list[int] = []
+        for servicer in c.servicers:
+
+            def overloaded(w: int, i: int = 0) -> tuple[int, bytes]:
+                asked.append(w)
+                raise Overloaded("this shard holds as many pulls as it admits; try again later")
+
+            servicer.bulk.grant = overloaded  # type: ignore[method-assign]
+        clients, now = clients_on_a_clock(c)
+        with caplog.at_level(logging.WARNING, logger=bulk_client.__name__):
+            assert torch.equal(one_step(clients, 0, pieces), want[0])  # streamed
+        warnings = [r.getMessage() for r in caplog.records if r.name == bulk_client.__name__]
+        assert warnings and all("RESOURCE_EXHAUSTED" in m and "asking again" in m for m in warnings)
+        assert all(client.bulk.off == {0, 1} for client in clients)
+        tries = len(asked)
+        assert torch.equal(one_step(clients, 1, pieces), want[1])
+        assert len(asked) == tries  # not asked again during the back-off
+        for servicer in c.servicers:
+            del servicer.bulk.grant
+        now[0] += bulk_client.RETRY_AFTER_S + 1
+        assert torch.equal(one_step(clients, 2, pieces), want[2])
+        for client in clients:
+            assert client.bulk.off == set() and client.bulk._idle.get(0) and client.bulk._idle.get(1)
+        for client in (*clients, *want_clients):
+            client.close()
+    finally:
         c.stop()
         reference.stop()
 
@@ -611,27 +659,42 @@ def test_close_frees_the_port_for_good() -> None:
 
 
 def test_sockets_are_kept_per_incarnation_and_dead_ones_make_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's sockets are bounded per incarnation and dead ones make room; a newer incarnation (the worker was
+    replaced) retires the old one's: its idle sockets are closed, its nonce is refused, and an old socket busy in
+    a call is closed when the call ends, so no replacement leaves descriptors behind on the shard."""
     monkeypatch.setattr(server_bulk, "MAX_SOCKETS_PER_WORKER", 3)
     sockets = server_bulk.BulkSockets(host="127.0.0.1")
     port, old = sockets.grant(5, incarnation=0)
-    _, new = sockets.grant(5, incarnation=1)
-    assert old != new
     opened = []
     try:
+        old_tickets = []
         for _ in range(3):
             sock, ticket = handshake(port, old)
             opened.append(sock)
             assert ticket is not None
-        sock, ticket = handshake(port, old)  # a fourth of the old process: refused, nothing else closed
+            old_tickets.append(ticket)
+        sock, ticket = handshake(port, old)  # a fourth: refused, nothing else closed
         opened.append(sock)
         assert ticket is None and sockets.held(5, 0) == 3
-        sock, ticket = handshake(port, new)  # the replacement has sockets of its own
-        opened.append(sock)
-        assert ticket is not None and sockets.held(5, 1) == 1
         opened[0].close()  # a socket whose client went away makes room for another
         sock, ticket = handshake(port, old)
         opened.append(sock)
         assert ticket is not None and sockets.held(5, 0) == 3
+        busy = sockets.take(old_tickets[1], 5)  # a call of the old process is under way
+
+        _, new = sockets.grant(5, incarnation=1)  # the worker was replaced
+        assert new != old and sockets.held(5, 0) == 1  # only the busy one is left
+        assert closed_by_peer(opened[2]) and closed_by_peer(opened[-1])  # the idle ones were closed
+        sock, ticket = handshake(port, old)
+        opened.append(sock)
+        assert ticket is None  # the old nonce is gone
+        with pytest.raises(server_bulk.StaleBulk, match="replaced by incarnation 1"):
+            sockets.grant(5, incarnation=0)
+        sockets.release(busy, keep=True)  # its call succeeded, yet the socket is closed, not kept
+        assert sockets.held(5, 0) == 0 and closed_by_peer(opened[1])
+        sock, ticket = handshake(port, new)  # the replacement has sockets of its own
+        opened.append(sock)
+        assert ticket is not None and sockets.held(5, 1) == 1 and sockets.idle == 1
     finally:
         for sock in opened:
             sock.close()

@@ -258,10 +258,11 @@ class BucketPusher:
         self._pull_when_acknowledged(step, bucket, handle)
 
     def _host_finite(self, own: StagedBucket | None, bucket: Bucket, dest: torch.Tensor) -> bool:
-        """The host's verdict; it needs the whole bucket in ``dest``, so placed pieces are gathered first (only
-        when the device's sum was not finite: rarely)."""
+        """The host's verdict; it needs the whole bucket in ``dest`` (the bucket's span of ``grads``), so placed
+        pieces are gathered first (only when the device's sum was not finite: rarely), at their places in
+        ``grads``: pieces are placed by their offsets in the whole flat vector."""
         if own is not None:
-            own.gather(bucket, dest)
+            own.gather(bucket, self.grads)
         return all_finite(dest)
 
     def host_gradient(self, step: StepPushes, bucket: Bucket) -> torch.Tensor:

@@ -170,12 +170,20 @@ class ParamOffload:
     # ------------------------------------------------------------------ copies
 
     def finish_step(self) -> None:
-        """End of this device's backward: pass the parameters that got no gradient, count the step."""
+        """End of this device's backward: pass the parameters that got no gradient, count the step, and point every
+        layer back at the host buffer. A layer whose backward fetched it but left a parameter without a gradient,
+        or one prefetched for a backward that never reached it (behind a ``detach``), still holds a device copy;
+        ``_fetch`` would reuse that copy in the next forward, which would then compute on this step's parameters
+        instead of the ones the pull brings."""
         if self.grad_sum is not None:
             for layer in self._layers:
                 for position, target in zip(layer.positions, layer.grads, strict=True):
                     if position not in self._summed:
                         self.grad_sum.add(self.device_index, self._steps, position, target, None)
+        for layer in self._layers:
+            if layer.on_device is not None:
+                self._release(layer)
+            layer.ready = None
         self._summed = set()
         self._steps += 1
 
@@ -225,6 +233,9 @@ class ParamOffload:
 
     def _start_step(self, module: nn.Module, args: object) -> None:
         for layer in self._layers:
+            if layer.on_device is not None:  # a step that ended before backward (a non-finite loss): see finish_step
+                self._release(layer)
+            layer.ready = None
             for p in layer.params:
                 p.grad = None  # gradients are written straight into the host buffer (zeroed by the replica)
 
