@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,12 @@ class CheckpointLedger:
         steps = committed_steps(directory)
         self.last_committed = steps[-1] if steps else -1
 
+    def rebatch(self, per_worker_batch: int) -> None:
+        """The probe re-planned the job at another batch before it started: manifests record that one, so a resume
+        trains (and positions its data) at the batch the probe found to fit, not at the one planned first."""
+        with self._lock:
+            self._template = replace(self._template, per_worker_batch=per_worker_batch)
+
     def confirm(self, shard_id: int, step: int) -> None:
         """Record that ``shard_id`` has durably written ``step``."""
         if not 0 <= shard_id < self._template.ps_shards:
@@ -299,4 +305,9 @@ def resume_point(
         discard(directory)
         return None
     log.info("the run reached step %d but its model was not written; resuming from step %d", manifest.step, earlier[-1])
+    # The later manifests go: the ledger would count them as committed (so this run would commit nothing), and the
+    # shards, told of them, would delete the files of the steps this run writes and resumes from.
+    for later in [s for s in committed_steps(directory) if s > earlier[-1]]:
+        manifest_path(directory, later).unlink(missing_ok=True)
+    prune_buffers(directory, committed_steps(directory))
     return read_manifest(directory, earlier[-1])

@@ -569,6 +569,13 @@ class JobConfig:
                     message = message.replace("embeddings.", key + ".", 1)
                 raise ConfigError(message) from None
         object.__setattr__(self, "embeddings", tables)
+        _require(  # a sparse table's step waits for every worker's rows: it has no way to go on without one
+            not (tables and self.cluster.least_workers < self.cluster.workers),
+            "cluster.min_workers",
+            f"is {self.cluster.min_workers} with {self.cluster.workers} workers, but the sparse tables "
+            f"({', '.join(sorted(tables))}) need every worker at every step: leave min_workers out (or set it to "
+            f"cluster.workers) for a job with embeddings",
+        )
         _require(  # issue 8: every worker keeps a pull waiting on each shard
             self.transport.max_waiting_pulls >= self.cluster.workers,
             "transport.max_waiting_pulls",

@@ -110,7 +110,8 @@ class DataShardTracker:
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
             if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                # Modulo 2**64, what a generator takes: any job.seed works (smaller seeds keep their permutations).
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
                 self._perm = torch.randperm(self.dataset_size, generator=gen)
             else:
                 self._perm = torch.arange(self.dataset_size)

@@ -551,6 +551,13 @@ class Job:
             self._check_not_over()
             if take_dropped:
                 self._check_may_grow()
+            again = self.membership.registered_at(address) if self.state == JobState.WAITING else None
+            if again is not None and not take_dropped:  # not started yet: nothing to roll back, its slot is its own
+                member = self.membership.register_again(again.id, devices, hostname, metrics_address)
+                self._journal("worker_registered", worker=member.id, address=address, host=hostname, replacement=False)
+                self._journal_members()
+                self._maybe_start()
+                return member
             restarted = self.membership.restarted_worker(address, hostname) if self.state != JobState.WAITING else None
             if restarted is not None:
                 if self.state != JobState.RUNNING or not self.replaces_workers:
@@ -630,6 +637,8 @@ class Job:
                 self._journal("report", False, report=asdict(stand_in))
                 self._after_record(record)
             member.last_seen = self._clock()
+            if step >= self.plan.steps:  # its predecessor pushed the last step everywhere: it trains none and exits,
+                member.done = True  # so its silence during the export is not a failure
             done = self.data_shards.reposition(worker_id, step, self._samples_per_worker, self._consumed(step))
             self._journal("worker_rejoined", worker=worker_id, step=step, data_shards_done=done)
         log.info("worker %d resumes its slot at step %d (data shards %s counted done)", worker_id, step, done)
@@ -695,6 +704,8 @@ class Job:
                 raise
             if judgement.replanned is not None:
                 self.plan, self.spec = judgement.replanned
+                if self._checkpoints is not None:
+                    self._checkpoints.rebatch(self.plan.per_device_batch * self.plan.devices_per_worker)
             if judgement.done:
                 self.state = JobState.WAITING
                 self.message = "waiting for members"

@@ -116,16 +116,27 @@ class StepLedger:
             self._metrics = self._open_metrics(metrics_path, start_step)
 
     def _open_metrics(self, path: Path, start_step: int) -> IO[str]:
-        """A fresh metrics.jsonl, or (resuming at ``start_step``) its first ``start_step`` lines kept.
+        """A fresh metrics.jsonl, or (resuming at ``start_step``) its records of the steps before ``start_step``.
 
-        Lines past the checkpoint belong to steps that will be trained again, so they are
-        dropped (atomically) and their records come back as the steps complete anew.
+        Records of later steps belong to steps that will be trained again, so they are dropped (atomically) and
+        come back as the steps complete anew. Kept by the step they record, not by line: a file that was short at
+        an earlier resume (a host crash lost its unsynced tail) no longer has line ``i`` for step ``i``. What is kept
+        is the unbroken run of steps that ends at ``start_step - 1`` (a step recorded twice, its later record), so
+        the records stay one per step from ``_offset`` on.
         """
         if start_step == 0 or not path.exists():
             return open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
-        kept = path.read_text().splitlines()[:start_step]
+        by_step = {}
+        for line in path.read_text().splitlines():
+            record = StepRecord.from_json(line)
+            if record.step < start_step:
+                by_step[record.step] = line
+        first = start_step
+        while first - 1 in by_step:
+            first -= 1
+        kept = [by_step[step] for step in range(first, start_step)]
         self._records = [StepRecord.from_json(line) for line in kept]
-        self._offset = start_step - len(self._records)
+        self._offset = first
         atomic_write(path, lambda fh: fh.write("".join(line + "\n" for line in kept).encode()))
         return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 

@@ -207,6 +207,36 @@ class Membership:
         existing = self._ps.get(shard_id)
         return existing is not None and (existing.address == address or not self.alive(existing))
 
+    def registered_at(self, address: str) -> Member | None:
+        """The worker (not failed) registered at ``address``, if any; none for an address without a port of its own
+        (empty, or port 0), which names no one process."""
+        if not address or address.rpartition(":")[2] in ("", "0"):
+            return None
+        return next((m for m in self._workers.values() if not m.failed and m.address == address), None)
+
+    def register_again(self, worker_id: int, devices: list[str], hostname: str, metrics_address: str = "") -> Member:
+        """Before the job starts, a worker that registers again at its address (its process restarted, or its
+        registration's reply was lost and it retried) takes its own slot back, not a second one."""
+        old = self._workers[worker_id]
+        if devices and len(devices) != self.devices_per_worker:
+            raise InvalidRequest(
+                f"worker offers {len(devices)} devices but the plan needs {self.devices_per_worker} "
+                f"per worker (cluster.devices_per_worker)"
+            )
+        member = Member(
+            "worker",
+            worker_id,
+            old.address,
+            self._clock(),
+            ready=True,
+            hostname=hostname,
+            metrics_address=metrics_address,
+            devices=list(devices or old.devices),
+        )
+        self._workers[worker_id] = member
+        log.info("worker %d registered again from %s (%s): it keeps its slot", worker_id, hostname, old.address)
+        return member
+
     def restarted_worker(self, address: str, hostname: str) -> int | None:
         """The slot of a worker that restarted: one registered at ``address``, or a silent one on ``hostname``."""
         for m in self._workers.values():

@@ -8,9 +8,12 @@ commits checkpoint ``step`` only after every shard has confirmed it.
 
 Snapshots are written in order and never skipped: if the disk is slower than the checkpoint
 frequency, the next ``submit`` waits (training slows) rather than leaving a step some shard
-never wrote. A shard deletes only files older than the newest step the coordinator reports
-committed (keeping ``keep - 1`` of those), so the last ``keep`` committed checkpoints are
-always on disk whatever the shards' relative speeds.
+never wrote. A shard deletes only files older than the ``keep`` newest steps the coordinator has
+reported committed to it (each confirmation's answer names the newest one), so the last ``keep``
+committed checkpoints are always on disk whatever the shards' relative speeds, and a step written
+but never committed (another shard's write failed) costs a file, never a committed one's place.
+Files past the step just written are a discarded run's and go; so do the temp files of writes a
+killed process left behind, when the writer starts.
 """
 
 from __future__ import annotations
@@ -149,12 +152,25 @@ class SnapshotWriter(Generic[S]):
         self._what = what
         self._queue: queue.Queue[S | None] = queue.Queue(maxsize=1)
         self._closed = threading.Event()
-        self._committed = -1  # the newest committed step the coordinator told us of
+        self._commits: list[int] = []  # the committed steps the coordinator told us of, ascending
         self.records: list[WriteRecord] = []
         self.error: BaseException | None = None  # the last write's failure, cleared by a success
+        self._drop_temp_files()
         name = what.replace(" ", "-")
         self._thread = threading.Thread(target=self._run, name=f"{name}-{shard_id}", daemon=True)
         self._thread.start()
+
+    def _drop_temp_files(self) -> None:
+        """A process killed mid-write leaves its temp file (``atomic_write``), as large as a snapshot: nothing else
+        removes it, and every such kill would add one."""
+        folder = self._file_of(0).parent
+        if not folder.is_dir():
+            return
+        for temp in folder.glob(".*.tmp"):
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("shard %d: cannot remove %s left by an interrupted write: %s", self.shard_id, temp, exc)
 
     def submit_snapshot(self, snapshot: S) -> None:
         """Hand a snapshot over; waits while the previous one is still queued (backpressure).
@@ -198,18 +214,22 @@ class SnapshotWriter(Generic[S]):
             log.info("shard %d: %s of step %d written in %.3fs", self.shard_id, self._what, version, write_s)
             try:
                 committed = self._on_written(version)
-                if committed is not None:
-                    self._committed = max(self._committed, committed)
+                if committed is not None and committed >= 0 and committed not in self._commits:
+                    self._commits = sorted([*self._commits, committed])[-self.keep :]
             except Exception as exc:  # noqa: BLE001 - the coordinator may be restarting; a later step commits
                 log.warning("shard %d: could not confirm %s %d: %s", self.shard_id, self._what, version, exc)
-            self._prune(version)
+            try:  # the thread must outlive a failed prune: training waits on its queue
+                self._prune(version)
+            except Exception as exc:  # noqa: BLE001 - logged; the next write prunes again
+                log.warning("shard %d: could not prune old %s files: %s", self.shard_id, self._what, exc)
 
     def _prune(self, written: int) -> None:
-        """Drop files past ``written`` (a discarded run's) and, below the newest committed step, all
-        but the ``keep - 1`` newest: the last ``keep`` committed checkpoints always stay on disk."""
+        """Drop files past ``written`` (a discarded run's) and those older than the ``keep`` newest committed steps
+        this shard knows of (none while it knows fewer): the last ``keep`` committed checkpoints stay on disk."""
         steps = self._steps()
-        below = [s for s in steps if s < self._committed]
-        stale = [s for s in steps if s > written] + below[: max(0, len(below) - (self.keep - 1))]
+        stale = [s for s in steps if s > written]
+        if len(self._commits) == self.keep:
+            stale += [s for s in steps if s < self._commits[0]]
         for step in stale:
             self._file_of(step).unlink(missing_ok=True)
 

@@ -8,6 +8,7 @@ last push, and the shard's lock may be held by an update.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,11 +19,12 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.ps_server.admission import ShardGate
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
 from pstrain.ps_server.sparse_table import SparseShard
+from pstrain.ps_server.versions import VersionMarks
 from pstrain.runtime.admission import Overloaded
 from pstrain.runtime.identity import PermissionDenied
 from pstrain.runtime.sparse_api import RowGrads
 from pstrain.runtime.sparse_rows import RowError, decode_block, encode_block
-from pstrain.runtime.transport import abort_on_errors
+from pstrain.runtime.transport import MAX_MESSAGE_BYTES, abort_on_errors
 
 translate = abort_on_errors(
     {
@@ -38,6 +40,7 @@ translate = abort_on_errors(
 )
 
 ROWS_PER_BLOCK = 65536  # ReadTable streams a table in blocks of this many rows (16 MiB at dim 64)
+REPLY_ROW_BYTES = MAX_MESSAGE_BYTES - (1 << 20)  # the rows one reply may carry; the rest of the message fits in 1 MiB
 
 
 class SparseTablesServicer:
@@ -46,11 +49,22 @@ class SparseTablesServicer:
 
     def __init__(self) -> None:
         self._shard: SparseShard | None = None
+        self._marks: VersionMarks | None = None
         self.gate = ShardGate()  # binds no identities until pstrain-ps installs the job's
 
     def attach(self, shard: SparseShard) -> None:
         """Called once the shard is built; until then every call is UNAVAILABLE."""
+        self._marks = VersionMarks(shard)
         self._shard = shard
+
+    async def _version(self, shard: SparseShard, min_version: int, wait_s: float) -> float:
+        """Wait on the event loop until the shard reaches ``min_version``; the time left of ``wait_s``. A waiting row
+        pull holds no thread: in one it would hold one of the loop's few default threads, which the pushes that
+        complete the step need too (with a few more waiting workers than threads the step stalls)."""
+        assert self._marks is not None
+        started = time.monotonic()
+        await self._marks.get(min_version, wait_s)
+        return max(0.0, wait_s - (time.monotonic() - started))
 
     @property
     def shard(self) -> SparseShard:
@@ -78,8 +92,15 @@ class SparseTablesServicer:
             if block.table in ids:
                 raise InvalidArgument(f"table {block.table!r} appears twice in one pull")
             ids[block.table] = decode_block(block, self._dim(shard, block.table))[0]
+        reply_bytes = sum(int(t.numel()) * self._dim(shard, name) * 4 for name, t in ids.items())
+        if reply_bytes > REPLY_ROW_BYTES:  # the reply must fit a message: refused before a row is made
+            raise InvalidArgument(
+                f"a pull of {sum(int(t.numel()) for t in ids.values())} rows makes a {reply_bytes}-byte reply, more "
+                f"than a message holds ({REPLY_ROW_BYTES} bytes of rows): pull fewer rows per call"
+            )
         with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
-            version, rows = await asyncio.to_thread(shard.pull, request.min_version, ids, wait_s)
+            left_s = await self._version(shard, request.min_version, wait_s)
+            version, rows = await asyncio.to_thread(shard.pull, request.min_version, ids, left_s)
         return pb.PullRowsReply(version=version, blocks=[encode_block(n, ids[n], rows[n]) for n in ids])
 
     @translate
@@ -107,6 +128,8 @@ class SparseTablesServicer:
                     raise InvalidArgument(f"table {block.table!r}: a push block carries values and counts for its ids")
                 rows[block.table] = (ids, values, counts)
         r = await asyncio.to_thread(shard.push, request.worker_id, request.step, rows, request.device_count)
+        if r.completed and self._marks is not None:
+            self._marks.moved()  # the pulls waiting for this version
         return pb.PushRowsReply(version=r.version, duplicate=r.duplicate, completed=r.completed, skipped=r.skipped)
 
     @translate
@@ -115,10 +138,13 @@ class SparseTablesServicer:
     ) -> AsyncIterator[pb.RowBlock]:
         shard = self.shard
         self._check_shard(shard, request.shard_id)
-        self._dim(shard, request.table)
+        dim = self._dim(shard, request.table)
+        if request.rows_per_block < 0:
+            raise InvalidArgument(f"rows_per_block must be positive (0: a default), got {request.rows_per_block}")
         with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
-            _, state = await asyncio.to_thread(shard.read_table, request.table, request.min_version, wait_s)
-        per = request.rows_per_block or ROWS_PER_BLOCK
+            left_s = await self._version(shard, request.min_version, wait_s)
+            _, state = await asyncio.to_thread(shard.read_table, request.table, request.min_version, left_s)
+        per = min(request.rows_per_block or ROWS_PER_BLOCK, max(1, REPLY_ROW_BYTES // (dim * 4)))  # fits a message
         n = int(state.ids.numel())
         for start in range(0, max(n, 1), per):
             yield encode_block(request.table, state.ids[start : start + per], state.rows[start : start + per])

@@ -123,12 +123,16 @@ class SparseTable:
     def bytes_held(self) -> int:
         return (self._rows.numel() + sum(s.numel() for s in self._state.values())) * 4
 
-    def check(self, ids: torch.Tensor, what: str) -> None:
-        """``InvalidArgument`` unless ``ids`` are valid row ids of this table that this shard owns."""
+    def check(self, ids: torch.Tensor, what: str, unique: bool = False) -> None:
+        """``InvalidArgument`` unless ``ids`` are valid row ids of this table that this shard owns (and, ``unique``,
+        each once: a pull or a load that names a row twice would cost its reply, or corrupt the table's slots)."""
         try:
             check_ids(ids, self.spec.rows, f"table {self.spec.name!r} {what}")
         except RowError as exc:
             raise InvalidArgument(str(exc)) from None
+        if unique and ids.numel() > 1 and int(torch.unique(ids).numel()) != int(ids.numel()):
+            repeated = int(ids.numel()) - int(torch.unique(ids).numel())
+            raise InvalidArgument(f"table {self.spec.name!r} {what}: row ids must be unique, {repeated} repeat")
         if ids.numel() and bool((owner_of(ids, self.shards) != self.shard_id).any()):
             bad = int(ids[owner_of(ids, self.shards) != self.shard_id][0])
             raise InvalidArgument(
@@ -161,7 +165,7 @@ class SparseTable:
     def load(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Set the initial value of rows ``ids`` (unique, owned here) to ``rows``: ``model.init_checkpoint``'s rows
         replace the seeded init before training (their optimizer state starts at zero, as the dense one does)."""
-        self.check(ids, "init_checkpoint")
+        self.check(ids, "init_checkpoint", unique=True)
         if tuple(rows.shape) != (int(ids.numel()), self.spec.dim) or rows.dtype != torch.float32:
             raise InvalidArgument(
                 f"table {self.spec.name!r}: init_checkpoint rows must be float32 of shape ({int(ids.numel())}, "
@@ -231,7 +235,7 @@ class SparseTable:
     @classmethod
     def restore(cls, state: TableState, shard_id: int, shards: int) -> SparseTable:
         table = cls(state.spec, shard_id, shards)
-        table.check(state.ids, "checkpoint")
+        table.check(state.ids, "checkpoint", unique=True)
         n = int(state.ids.numel())
         table._grow(n)
         table._rows[:n] = state.rows
@@ -287,11 +291,20 @@ class SparseShard:
         self.checkpoints = checkpoints
         self._undo: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # table -> (ids ascending, rows before the
         # last completed step), for pulls of the version before it
+        self._undo_known = False  # a step completed here: ``_undo`` says how the version before differs (a shard
+        # restored from a checkpoint has not seen that step, so it cannot answer for the version before it)
 
     @property
     def version(self) -> int:
         with self._cond:
             return self._version
+
+    @property
+    def version_now(self) -> int:
+        """``version`` without the lock (reading an int is atomic), ``NotReady`` once closed: for the servicer's event
+        loop, which waits for a version there rather than in a thread the pushes need (``VersionMarks``)."""
+        self._check_open()
+        return self._version
 
     def progress(self, worker_id: int) -> tuple[int, int]:
         """(this shard's version, the last step ``worker_id`` pushed rows for, -1 if none): what a replacement
@@ -312,7 +325,7 @@ class SparseShard:
         (module docstring); one further behind raises ``StepConflict``.
         """
         for name, table_ids in ids.items():
-            self._table(name).check(table_ids, "pull")
+            self._table(name).check(table_ids, "pull", unique=True)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -326,10 +339,11 @@ class SparseShard:
                         f"appear within {timeout_s:.1f}s (are all {self.workers} workers pushing rows?)"
                     )
                 self._cond.wait(remaining)
-            if self._version > min_version + 1:
+            if self._version > min_version + 1 or (self._version == min_version + 1 and not self._undo_known):
+                kept = "it keeps the rows of one version back" if self._undo_known else "it was restored at that one"
                 raise StepConflict(
                     f"stale pull: rows of version {min_version} asked of sparse shard {self.shard_id}, which is at "
-                    f"version {self._version} (it keeps the rows of one version back)"
+                    f"version {self._version} ({kept})"
                 )
             rows = {name: self.tables[name].read(table_ids) for name, table_ids in ids.items()}
             if self._version == min_version + 1:
@@ -367,6 +381,7 @@ class SparseShard:
             started = time.perf_counter()
             skipped = any(r is None for r in self._held.values())
             self._undo = {} if skipped else self._apply()
+            self._undo_known = True
             self._held.clear()
             self._version += 1
             version = self._version

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from typing import Protocol
 
 import torch
 
@@ -162,8 +163,21 @@ class VersionFollower:
         self._changed = asyncio.Event()
 
 
+class Versioned(Protocol):
+    """What ``VersionMarks`` reads of what it follows: a dense shard or piece, or a shard's sparse tables."""
+
+    @property
+    def shard_id(self) -> int: ...
+
+    @property
+    def workers(self) -> int: ...
+
+    @property
+    def version_now(self) -> int: ...
+
+
 class VersionMarks:
-    """When a piece (or the whole shard) reaches a version, as shared-memory and bulk pulls wait for it (issue 12).
+    """When a piece (or the whole shard) reaches a version, as shared-memory, bulk and row pulls wait for it (issue 12).
 
     Those pulls need no encoding, so no follower thread either: they wait on the loop for an event the data plane sets
     after every call that may move the shard on (a push that completed a piece, ``SetWorkers``), and read the
@@ -172,7 +186,7 @@ class VersionMarks:
     that finds its version already there does not wait at all.
     """
 
-    def __init__(self, source: ParameterShard | PiecedShard) -> None:
+    def __init__(self, source: Versioned) -> None:
         self._source = source
         self._changed = asyncio.Event()
 

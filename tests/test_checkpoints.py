@@ -267,6 +267,69 @@ def test_a_fast_shard_keeps_the_files_of_every_committed_checkpoint(tmp_path: Pa
     assert written_steps(tmp_path, 0) == [2, 3, 4, 5, 6]
 
 
+def test_a_step_written_but_never_committed_takes_no_committed_checkpoints_place(tmp_path: Path):
+    """Shard 1's write of step 20 fails, so 20 is never committed: shard 0, which writes each step last and so
+    hears of each commit at once, keeps its file of 20 and still those of the committed 10 and 30 (the files of
+    the committed steps, not a number of files)."""
+    ledger = CheckpointLedger(tmp_path, template(shards=2), keep=2)
+
+    def on_written(shard: int, step: int) -> int:
+        ledger.confirm(shard, step)
+        ledger.commit(completed_steps=100)
+        return ledger.last_committed
+
+    def write(writer: CheckpointWriter, step: int, shard: int) -> None:
+        before = len(writer.records)
+        writer.submit(state(step, shard_id=shard))
+        wait_for(lambda: len(writer.records) > before or writer.error is not None, 30, f"shard {shard}'s write")
+
+    writers = [CheckpointWriter(tmp_path, s, keep=2, on_written=lambda step, s=s: on_written(s, step)) for s in (0, 1)]
+    in_the_way = tmp_path / "not-a-directory"
+    in_the_way.write_text("a file where shard 1's directory would be")
+    failing = CheckpointWriter(in_the_way, 1, keep=2, on_written=lambda step: on_written(1, step))
+    for step in (10, 20, 30):
+        write(failing if step == 20 else writers[1], step, 1)  # 20: the disk was full, say
+        write(writers[0], step, 0)
+    for writer in (*writers, failing):
+        writer.close()
+    assert failing.error is not None and committed_steps(tmp_path) == [10, 30]
+    for step in committed_steps(tmp_path):
+        for s in (0, 1):
+            assert load_state(tmp_path, s, 0, 10, step).version == step
+    assert written_steps(tmp_path, 0) == [10, 20, 30]
+
+
+def test_a_failed_prune_leaves_the_writer_writing(tmp_path: Path):
+    """Listing or deleting old files fails (EIO, ESTALE on NFS): the next snapshots are still taken and written."""
+    writer = CheckpointWriter(tmp_path, 0, keep=1, on_written=lambda step: step)
+    listed = writer._steps
+    failures = [OSError(5, "Input/output error")]
+
+    def flaky() -> list[int]:
+        if failures:
+            raise failures.pop()
+        return listed()
+
+    writer._steps = flaky  # type: ignore[method-assign]
+    for step in (1, 2, 3):
+        submitting = threading.Thread(target=writer.submit, args=(state(step),), daemon=True)
+        submitting.start()
+        submitting.join(30)
+        assert not submitting.is_alive(), "the writer thread died: training would wait on its queue for good"
+    writer.close()
+    assert [r.step for r in writer.records] == [1, 2, 3] and not failures
+    assert written_steps(tmp_path, 0) == [3]  # the later prunes went through
+
+
+def test_a_writer_removes_the_temp_files_of_writes_a_kill_interrupted(tmp_path: Path):
+    save_state(tmp_path, state(10))
+    left = shard_dir(tmp_path, 0) / ".step-000000020.pt.abcd1234.tmp"  # as atomic_write names its temp file
+    left.write_bytes(b"half a checkpoint")
+    writer = CheckpointWriter(tmp_path, 0, keep=2, on_written=lambda step: None)
+    writer.close()
+    assert not left.exists() and written_steps(tmp_path, 0) == [10]
+
+
 def test_a_writer_drops_files_of_a_discarded_run_past_its_step(tmp_path):
     """After --fresh, files of the old run's later steps would outrank the new ones: they go."""
     for step in (40, 50):
@@ -286,8 +349,14 @@ def test_resume_point_trains_anew_after_a_finished_run_and_redoes_the_tail_of_an
         ledger.confirm(0, step)
         ledger.commit(step)
     assert resume_point(ckpt, JobIdentity("abc"), steps=12, fresh=False, export=model).step == 10  # type: ignore[union-attr]
-    # Reached the last step (10) but died before writing model.pt: resume before the end.
+    # Reached the last step (10) but died before writing model.pt: resume before the end, and forget the later
+    # manifest, which the run would otherwise count as committed (and the shards would prune for).
     assert resume_point(ckpt, JobIdentity("abc"), steps=10, fresh=False, export=model).step == 8  # type: ignore[union-attr]
+    assert committed_steps(ckpt) == [4, 8]
+    ledger = CheckpointLedger(ckpt, template(shards=1), keep=3)
+    assert ledger.last_committed == 8
+    ledger.confirm(0, 10)
+    assert ledger.commit(10) is not None  # the redone tail commits again
     model.write_bytes(b"the exported model")  # written after the final manifest: finished
     assert resume_point(ckpt, JobIdentity("abc"), steps=10, fresh=False, export=model) is None
     assert committed_steps(ckpt) == []  # discarded: the job trains anew

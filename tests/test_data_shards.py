@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from pstrain.coordinator.data_shards import DataShardCounts, DataShardTracker
 from pstrain.coordinator.errors import UnknownMember
@@ -23,6 +24,16 @@ def test_order_is_reproducible_and_unshuffled_is_sequential():
     assert [a.dispatch(0).indices for _ in range(12)] == [b.dispatch(0).indices for _ in range(12)]
     plain = DataShardTracker(5, 2, False, seed=0)
     assert [plain.dispatch(0).indices for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
+
+
+def test_any_seed_the_config_accepts_shuffles():
+    """``job.seed`` may be any 63-bit value: the permutation's seed is taken modulo 2**64, and seeds that fitted
+    before keep their permutation."""
+    big = DataShardTracker(100, 10, True, seed=2**62)
+    assert sorted(i for _ in range(10) for i in big.dispatch(0).indices) == list(range(100))
+    small = DataShardTracker(100, 10, True, seed=5)
+    gen = torch.Generator().manual_seed(5 * 1_000_003)
+    assert small.dispatch(0).indices == torch.randperm(100, generator=gen)[:10].tolist()
 
 
 def test_dispatch_is_recorded_and_cleared_on_completion():

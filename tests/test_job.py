@@ -241,6 +241,60 @@ def test_probe_gates_the_other_workers_and_shrinks_until_it_fits(tmp_path):
     assert job.status().worker_device_memory_bytes == 90 * MiB
 
 
+def test_a_worker_registering_again_before_the_start_keeps_its_slot(tmp_path):
+    """A worker whose process restarted (a unit's restart, at its fixed port) or whose registration's reply was lost
+    registers again before the job starts: it gets its own slot back, not a second one that would leave a ghost
+    (the job would then start without the real last worker, or fail when the ghost goes silent)."""
+    job, _, _, _ = make_job(tmp_path)
+    for i in range(3):
+        job.register_ps(i, f"127.0.0.1:{5000 + i}")
+        job.ps_ready(i)
+    assert job.register_worker("127.0.0.1:6000", [], "hostA") == 0
+    assert job.register_worker("127.0.0.1:6000", [], "hostA") == 0 and job.state == JobState.WAITING
+    assert job.register_worker("127.0.0.1:6001", [], "hostB") == 1
+    assert job.state == JobState.RUNNING
+    assert sorted(m.address for m in job.status().members if m.role == "worker") == [
+        "127.0.0.1:6000",
+        "127.0.0.1:6001",
+    ]
+    job.close()
+
+
+def test_a_checkpoint_records_the_batch_the_probe_chose_and_a_resume_trains_at_it(tmp_path):
+    """The probe shrinks the batch before the job starts: the manifests say so, and a resume from one trains at that
+    batch (the one that fits the device) and positions its data there, not at the batch first planned."""
+    from pstrain.coordinator.main import build_job
+
+    raw = {
+        "model": {"factory": "tests.helpers:odd_mlp"},
+        "data": {"factory": "tests.helpers:classification_set", "kwargs": {"n": 256}, "shard_size": 8},
+        "job": {"steps": 6, "seed": 0},
+        "batch": {"per_device": 16},
+        "cluster": {"ps_shards": 1, "workers": 1, "devices_per_worker": 1},
+        "memory": {"probe": True, "device_memory": "100MiB", "margin": 0.1},
+        "checkpoint": {"every_steps": 2},
+    }
+    cfg = parse_config(raw)
+    job = build_job(cfg, tmp_path)
+    job.register_ps(0, "127.0.0.1:5000")
+    job.ps_ready(0)
+    job.register_worker("127.0.0.1:6000", [], "h")
+    assert not job.report_probe(probe(16, device=400 * MiB, host=MiB)).done  # 4x the budget: shrink
+    batch = job.plan.per_device_batch
+    assert batch < 16 and job.report_probe(probe(batch, device=50 * MiB, host=MiB)).done
+    for step in range(2):
+        job.report_step(StepReport(0, step, 1.0, batch, 0.1))
+    job.checkpoint_written(0, 2)
+    manifest = json.loads((tmp_path / "checkpoints" / "manifest-000000002.json").read_text())
+    assert manifest["per_worker_batch"] == batch
+    job.close()
+    resumed = build_job(cfg, tmp_path, recover=False)
+    try:
+        assert resumed.resume_step == 2 and resumed.plan.per_device_batch == batch
+    finally:
+        resumed.close()
+
+
 def test_increment_mode(tmp_path):
     job, _ = probing_job(tmp_path, EstimateMode.INCREMENT)
     start(job)
@@ -326,6 +380,32 @@ def test_membership_liveness_names_the_first_silent_member_with_work_left():
         members.worker(2)
     with pytest.raises(UnknownMember, match="ps 1 is not registered"):
         members.heard_from("ps", 1)
+
+
+def test_a_resume_keeps_the_metrics_of_the_steps_before_it_by_step_not_by_line(tmp_path):
+    """metrics.jsonl lost its tail (lines are flushed, not fsynced, and the host crashed), the job resumed from a
+    later checkpoint and trained on: at the next resume the records kept are one per step up to the resume, not
+    the first lines of the file."""
+    path = tmp_path / "metrics.jsonl"
+
+    def train(start: int, upto: int) -> int:
+        ledger = StepLedger(
+            1, lambda step: 0.1, path, Clock(), threading.Condition(threading.RLock()), start_step=start
+        )
+        ledger.start()
+        with ledger._cond:
+            for step in range(start, upto):
+                ledger.add(StepReport(0, step, loss=1.0, samples=4, step_s=0.1))
+        completed = ledger.completed
+        ledger.close()
+        return completed
+
+    train(0, 5)
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:3]))  # steps 3 and 4 lost
+    assert train(10, 20) == 20  # resumed from the checkpoint of step 10
+    assert train(12, 14) == 14
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [10, 11, 12, 13]  # one record per step, in order; 0..2 are before a gap and go
 
 
 def test_ledger_writes_metrics_lines_and_watch_streams_them_as_they_complete(tmp_path):

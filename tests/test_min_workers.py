@@ -133,6 +133,11 @@ def test_min_workers_is_validated_and_defaults_to_workers():
     for bad in (0, 4):
         with pytest.raises(ConfigError, match="cluster.min_workers"):
             parse_config({**base, "cluster": {"workers": 3, "min_workers": bad}})
+    # A sparse table's step waits for every worker's rows: a job with embeddings cannot go on with fewer.
+    tables = {"embeddings": {"ids": {"rows": 100, "dim": 4}}}
+    assert parse_config({**base, **tables, "cluster": {"workers": 3, "min_workers": 3}}).cluster.least_workers == 3
+    with pytest.raises(ConfigError, match=r"cluster.min_workers.*sparse tables \(ids\) need every worker"):
+        parse_config({**base, **tables, "cluster": {"workers": 3, "min_workers": 2}})
 
 
 # ------------------------------------------------------------------ the coordinator

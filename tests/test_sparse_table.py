@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import grpc
@@ -21,6 +22,7 @@ from pstrain.runtime.identity import HEADER, MemberKeys
 from pstrain.runtime.sparse_client import SparseClient, pull_tables
 from pstrain.runtime.sparse_rows import TableSpec, encode_block, init_rows
 from pstrain.runtime.transport import open_channel, start_server
+from tests.helpers import wait_for
 
 SPEC = TableSpec("t", 100, 3, init="normal", init_scale=0.1, seed=7, optimizer="sgd", lr=0.5)
 
@@ -144,7 +146,44 @@ def test_bad_pulls_are_refused_and_create_no_rows():
             shard.pull(0, {"t": torch.tensor(ids)}, 1.0)
     with pytest.raises(InvalidArgument, match="1-D int64"):
         shard.pull(0, {"t": torch.tensor([0.0])}, 1.0)
+    with pytest.raises(InvalidArgument, match="row ids must be unique, 2 repeat"):  # a reply as large as the ask
+        shard.pull(0, {"t": torch.tensor([0, 3, 0, 0])}, 1.0)
     assert shard.rows_held() == {"t": 0}
+
+
+def test_loading_or_restoring_a_row_twice_is_refused_and_changes_nothing():
+    """init_checkpoint rows (or a checkpoint) that name a row twice would leave two slots for one id and overwrite a
+    row still in use at the next insert: refused by name, the table as it was."""
+    shard = SparseShard(0, 1, [SPEC], workers=1, total_devices=1)
+    table = shard.tables["t"]
+    with pytest.raises(InvalidArgument, match="row ids must be unique, 1 repeat"):
+        table.load(torch.tensor([5, 5, 7]), torch.ones(3, 3))
+    assert len(table) == 0
+    table.load(torch.tensor([5, 7]), torch.ones(2, 3))
+    state = table.state()
+    doubled = type(state)(
+        state.spec,
+        torch.tensor([5, 5]),
+        torch.ones(2, 3),
+        {k: v[:1].repeat(2, *[1] * (v.dim() - 1)) for k, v in state.state.items()},
+    )
+    with pytest.raises(InvalidArgument, match="unique"):
+        type(table).restore(doubled, 0, 1)
+
+
+def test_a_restored_shard_refuses_a_pull_of_the_version_before_it():
+    """A live shard answers a pull one version back from its pre-update copy; a shard restored from a checkpoint at
+    version v has no such copy, so a pull of v - 1 is a StepConflict, not the rows of v passed off as v - 1's."""
+    live = SparseShard(0, 1, [SPEC], workers=1, total_devices=1)
+    ids = torch.tensor([3])
+    before = live.pull(0, {"t": ids}, 1.0)[1]["t"]
+    live.push(0, 0, {"t": grads([3])}, 1)
+    assert torch.equal(live.pull(0, {"t": ids}, 1.0)[1]["t"], before)  # from the pre-update copy
+    version, states = live.states()
+    restored = SparseShard.restore(0, 1, version, states, 1, 1)
+    with pytest.raises(StepConflict, match="restored at that one"):
+        restored.pull(0, {"t": ids}, 1.0)
+    assert torch.equal(restored.pull(1, {"t": ids}, 1.0)[1]["t"], live.pull(1, {"t": ids}, 1.0)[1]["t"])
 
 
 def test_sync_protocol_duplicates_stale_ahead_unknown_and_skip():
@@ -264,6 +303,68 @@ def test_bad_grpc_pushes_are_invalid_argument_and_change_nothing(grpc_cluster, b
     assert err.value.code().name == code
     after = shards[0].states()
     assert after[0] == before[0] and torch.equal(after[1]["t"].rows, before[1]["t"].rows)
+
+
+def test_bad_grpc_reads_are_invalid_argument(grpc_cluster):
+    """A pull whose reply could not fit a message, and a table read in blocks of a negative size, are refused by
+    name before any row is made or read."""
+    addresses, shards, _ = grpc_cluster
+    channel = open_channel(addresses[0])
+    stub = pb_grpc.SparseTablesStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReadTable(pb.ReadTableRequest(shard_id=0, table="t", rows_per_block=-1), timeout=10).next()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows_per_block" in err.value.details()
+    finally:
+        channel.close()
+    wide = TableSpec("w", 2**40, 4096, seed=1)
+    servicer = SparseTablesServicer()
+    server = start_server("127.0.0.1:0", [(add_sparse_tables, servicer)], ["SparseTables"], aio=True)
+    try:
+        servicer.attach(SparseShard(0, 1, [wide], workers=1, total_devices=1))
+        server.set_serving(True)
+        channel = open_channel(f"127.0.0.1:{server.port}")
+        ids = torch.arange(20_000, dtype=torch.int64)  # 20,000 rows of 16 KiB: 312 MiB of reply
+        request = pb.PullRowsRequest(shard_id=0, min_version=0, blocks=[encode_block("w", ids)])
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.SparseTablesStub(channel).PullRows(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pull fewer rows" in err.value.details()
+        assert servicer.shard.rows_held() == {"w": 0}
+        channel.close()
+    finally:
+        server.stop(0)
+
+
+def test_more_waiting_row_pulls_than_threads_do_not_hold_up_the_push_that_completes_the_step():
+    """Every worker but the last has pushed its rows and waits in a pull for the step's update: more pulls than the
+    server's event loop has threads. The last push still goes through at once, and every pull gets the version."""
+    workers = min(32, (os.cpu_count() or 1) + 4) + 2  # the loop's default thread pool, and then some
+    servicer = SparseTablesServicer()
+    server = start_server("127.0.0.1:0", [(add_sparse_tables, servicer)], ["SparseTables"], aio=True)
+    channel = None
+    try:
+        servicer.attach(SparseShard(0, 1, [SPEC], workers=workers, total_devices=workers))
+        server.set_serving(True)
+        channel = open_channel(f"127.0.0.1:{server.port}")
+        stub = pb_grpc.SparseTablesStub(channel)
+        ids = torch.tensor([1])
+
+        def push(worker: int) -> pb.PushRowsReply:
+            block = encode_block("t", ids, torch.ones(1, 3), torch.ones(1, dtype=torch.int32))
+            request = pb.PushRowsRequest(shard_id=0, worker_id=worker, step=0, device_count=1, blocks=[block])
+            return stub.PushRows(request, timeout=5)
+
+        for worker in range(workers - 1):
+            push(worker)
+        pull = pb.PullRowsRequest(shard_id=0, min_version=1, blocks=[encode_block("t", ids)])
+        pulls = [stub.PullRows.future(pull, timeout=30) for _ in range(workers - 1)]
+        wait_for(lambda: servicer.gate.pulls.waiting == workers - 1, 10, "every pull to wait for version 1")
+        assert push(workers - 1).completed  # within its 5 s: no thread was needed that a waiting pull held
+        assert [p.result().version for p in pulls] == [1] * (workers - 1)
+    finally:
+        if channel is not None:
+            channel.close()
+        server.stop(0)
 
 
 def test_grpc_errors_map_to_the_client_hierarchy(grpc_cluster):

@@ -108,6 +108,30 @@ def test_a_replacement_for_a_worker_that_pushed_but_never_reported_stands_in_for
     job.close()
 
 
+def test_a_replacement_that_rejoins_after_the_last_step_is_done_and_its_silence_fails_nothing(tmp_path):
+    """Its predecessor pushed the last step everywhere and died before reporting it: the replacement pulls version
+    ``steps``, has nothing to train and exits. The export may take longer than a heartbeat timeout; the job ends
+    FINISHED, not FAILED for the replacement's silence."""
+    job, clock, _ = replacing_job(tmp_path)
+    last = job.plan.steps - 1
+    for step in range(last):
+        job.report_step(report(0, step)), job.report_step(report(1, step))
+    job.report_step(report(0, last))  # worker 1 pushed the last step, then died before reporting it
+    clock.now += 31
+    job.heartbeat("worker", 0), [job.heartbeat("ps", i) for i in range(3)]
+    job.check_liveness()
+    assert job.membership.worker(1).failed
+    replacement = job.register_worker("10.0.0.9:7000", [], "other-host")
+    assert not job.rejoin_at(replacement, job.plan.steps).stop
+    assert job.state == JobState.EXPORTING and job.membership.worker(replacement).done
+    clock.now += 31  # the export is slow; the replacement has exited
+    [job.heartbeat("ps", i) for i in range(3)]
+    job.check_liveness()
+    assert job.state in (JobState.EXPORTING, JobState.FINISHED), job.message
+    assert job.wait_over(30) and job.state == JobState.FINISHED
+    job.close()
+
+
 def test_replacement_when_every_slot_is_taken_probes_the_holders(tmp_path):
     probed = []
 
