@@ -164,10 +164,21 @@ class Case:
         return build_dataset(self.data, json.dumps(self.data_kwargs))
 
 
+# Next to no compute and 33K parameters: the step is each system's fixed cost per step (calls, threads, hooks,
+# reports), which a GPU's short steps expose; the other cases hide it behind compute on 2 cores.
+FIXED_COST = Case(
+    "mlp 8x64, 8/proc (fixed cost per step)",
+    "bench.step:mlp",
+    "bench.step:mlp_set",
+    8,
+    model_kwargs={"width": 64},
+    data_kwargs={"width": 64},
+)
 CASES = (
     Case("mlp 8x1024, 64/proc", "bench.step:mlp", "bench.step:mlp_set", 64),
     Case("mlp 8x1024, 256/proc", "bench.step:mlp", "bench.step:mlp_set", 256),
     Case("transformer 2x256, 32x32 tok/proc", "bench.step:transformer", "bench.step:token_set", 32),
+    FIXED_COST,
 )
 # A GPU computes the CPU cases' batches in well under a millisecond: larger batches show where compute
 # starts to hide the trip to the CPU shards and back.
@@ -182,6 +193,7 @@ CUDA_CASES = (
         512,
         data_kwargs={"n": 16384},
     ),
+    FIXED_COST,
 )
 
 

@@ -366,9 +366,42 @@ def test_a_heartbeat_abort_stops_training_before_the_next_step(make_trainer: Mak
 
 def test_a_coordinator_directive_stops_training(make_trainer: MakeTrainer) -> None:
     reporter = Reporter(lambda report: pb.Directive(stop=True, reason="job failed"))
-    trainer = make_trainer(0, LocalPsClient(build_shards(workers=1)), reporter)
+    shards = build_shards(workers=1)
+    trainer = make_trainer(0, LocalPsClient(shards), reporter)
     assert trainer.run() == 1
     assert reporter.steps == [0] and trainer.progress.state == "stopped"
+    assert all(s.last_step_of(0) == 0 for s in shards)  # step 1 computed its gradient and pushed none of it
+
+
+def test_a_steps_pushes_wait_for_the_previous_directive_which_may_come_during_backward(
+    make_trainer: MakeTrainer,
+) -> None:
+    """The coordinator's answer to step s-1's report is not waited for before step s's backward (its round trip
+    overlaps it), yet no bucket of step s leaves before that answer is in."""
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def slow_coordinator(report: pb.StepReport) -> None:
+        time.sleep(0.2)  # the coordinator's latency, longer than a step's forward and backward here
+        with lock:
+            events.append(("answered", report.step))
+
+    trainer = make_trainer(0, LocalPsClient(build_shards(workers=1)), Reporter(slow_coordinator))
+    start, current = trainer.pusher.start, [0]
+
+    def armed(step: int, held=None) -> None:  # type: ignore[no-untyped-def]
+        with lock:
+            events.append(("armed", step))
+            current[0] = step
+        start(step, held)
+
+    trainer.pusher.start = armed  # type: ignore[method-assign]
+    trainer.pusher.on_push = lambda bucket: events.append(("push", current[0]))
+    assert trainer.run() == STEPS
+    for step in range(1, STEPS):
+        answered = events.index(("answered", step - 1))
+        assert events.index(("armed", step)) < answered  # backward began before the answer
+        assert all(i > answered for i, e in enumerate(events) if e == ("push", step))  # no push before it
 
 
 # ---------------------------------------------------------------- non-finite losses and gradients

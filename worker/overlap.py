@@ -13,7 +13,9 @@ serves as soon as every worker has pushed that piece (``push_pull_pieces``; over
 push and the pull of a piece are one call, acknowledged with the new version). A bucket whose push
 must be repeated is pulled after the repeat (its first pull fails with the push's error and the
 loader pulls it again), and a skipped bucket's pull starts once the skip is acknowledged
-(``pull_missing``). After backward the trainer waits for the pushes (the exposed push).
+(``pull_missing``). After backward the trainer waits for the pushes (the exposed push). The sender reads the
+previous step's directive (the coordinator's answer to its report) before a step's first push and pushes nothing
+if it stops the job, so the trainer need not wait for that answer before backward.
 
 One GPU (``place_on_device``). With no host sum to make, the GPU copies each piece of a bucket whose shard is
 colocated straight into the piece's span of that shard's push region, page-locked for it
@@ -55,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.buckets import Bucket, BucketPlan
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.ps_api import RETRYABLE, ParameterServerClient, PullHandle, PushHandle, ShardAck
@@ -95,6 +98,9 @@ class StepPushes:
     """What one step pushed: the handles to wait on and whether every pushed bucket was finite."""
 
     step: int
+    # The previous step's report, whose directive the sender reads before this step's first push (None: go on).
+    held: Future[pb.Directive] | None = None
+    stopped: bool = False  # that directive stopped the job (or its report failed): this step pushes nothing
     handles: list[tuple[Bucket, bool, PushHandle]] = field(default_factory=list)  # (bucket, skipped, handle)
     pulls: dict[int, PullHandle] = field(default_factory=dict)  # bucket index -> its pull of version step + 1
     placed: dict[int, StagedBucket] = field(default_factory=dict)  # bucket index -> its copies, some into targets
@@ -143,10 +149,12 @@ class BucketPusher:
         self._queued: set[int] = set()
         self.on_push: Callable[[Bucket], None] | None = None  # tests observe the order of pushes
 
-    def start(self, step: int) -> None:
-        """Arm the hooks for ``step`` (before backward)."""
+    def start(self, step: int, held: Future[pb.Directive] | None = None) -> None:
+        """Arm the hooks for ``step`` (before backward). ``held``: the previous step's report in flight; the step
+        pushes nothing until its directive has come, and nothing at all if it stops the job (or the report fails:
+        the trainer raises its error), so its round trip overlaps backward."""
         with self._lock:
-            self._step = StepPushes(step)
+            self._step = StepPushes(step, held)
             self._left = [list(self._sizes) for _ in range(self.devices)]
             self._ready = [0] * len(self.plan.buckets)
             self._events = [[None] * len(self.plan.buckets) for _ in range(self.devices)]
@@ -224,6 +232,14 @@ class BucketPusher:
         """On the sender thread: the host sum of one bucket, checked, pushed, and its next pull started."""
         step = self._step
         assert step is not None
+        if step.held is not None:  # the first bucket of the step: its directive first
+            try:
+                step.stopped = step.held.result().stop
+            except BaseException:  # noqa: BLE001 - the trainer raises the report's error (``Trainer._wait_report``)
+                step.stopped = True
+            step.held = None
+        if step.stopped:
+            return
         copies = [self._events[device][bucket.index] for device in range(self.devices)]
         for copy in copies:
             if copy is not None:

@@ -212,22 +212,28 @@ class Trainer:
         losses = self.replicas.forward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         pull_s = max(self.loader.waited_s)  # forward's waits for this step's buckets: the exposed pull
         self._loaded()  # forward loaded every bucket of this step's version: the previous step is done
-        previous = self._wait_report()  # the previous step's report went out during this forward
-        if previous.stop or self.stop.is_set():
+        if self.stop.is_set():
             self.replicas.drop_losses()
-            return previous
+            return self._wait_report()
         if all(math.isfinite(loss) for loss in losses):
-            self.pusher.start(step)
+            # The previous step's report went out during this forward; its directive is read by the sender before
+            # this step's first push (``BucketPusher.start``), so the coordinator's answer may come during backward.
+            self.pusher.start(step, self._report)
             self.replicas.backward()  # every bucket is pushed as backward completes it
             computed = time.perf_counter()
             pushes = self.pusher.finish()
-        elif self.skip_nonfinite:
-            self.replicas.drop_losses()
-            computed = time.perf_counter()
-            pushes = self.pusher.skip_all(step, devices)
+            previous = self._wait_report()  # raises the report's error; then nothing was pushed
+            if previous.stop:  # the sender saw it before any push: this step pushed nothing
+                return previous
         else:
             self.replicas.drop_losses()
-            return self._stop_nonfinite(step, losses, int(inputs.shape[0]), time.perf_counter() - started)
+            previous = self._wait_report()
+            if previous.stop:
+                return previous
+            if not self.skip_nonfinite:
+                return self._stop_nonfinite(step, losses, int(inputs.shape[0]), time.perf_counter() - started)
+            computed = time.perf_counter()
+            pushes = self.pusher.skip_all(step, devices)
         finite = pushes.finite and (self.sparse is None or self.sparse.finite())  # issue 9: rows too
         if self.sparse is not None:  # issue 9: row gradients + counts, after the dense buckets (sparse_checkpoint.py)
             self.sparse.push(step, not finite, self._retrying)
@@ -269,9 +275,10 @@ class Trainer:
     def _wait_report(self) -> pb.Directive:
         """The directive answering the step report in flight (an empty one if none is): off the critical path.
 
-        ``_step`` sends a report in the background and reads its directive after the next forward, before that step
-        pushes anything, so a directive that stops the job still stops it before any further push; a stop flag set
-        meanwhile (the heartbeat's) is looked at there too. A report's error is raised here.
+        ``_step`` sends a report in the background; the next step's pushes wait for its directive (the bucket
+        sender reads it before the step's first push, while backward runs), so a directive that stops the job
+        still stops it before any further push. The trainer reads it here after backward (or, for a step whose loss
+        is not finite, before it pushes its skips); a report's error is raised here.
         """
         pending, self._report = self._report, None
         return pb.Directive() if pending is None else pending.result()
