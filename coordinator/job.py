@@ -551,7 +551,7 @@ class Job:
             self._check_not_over()
             if take_dropped:
                 self._check_may_grow()
-            again = self.membership.registered_at(address) if self.state == JobState.WAITING else None
+            again = self.membership.registered_at(address, hostname) if self.state == JobState.WAITING else None
             if again is not None and not take_dropped:  # not started yet: nothing to roll back, its slot is its own
                 member = self.membership.register_again(again.id, devices, hostname, metrics_address)
                 self._journal("worker_registered", worker=member.id, address=address, host=hostname, replacement=False)

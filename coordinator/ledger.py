@@ -24,6 +24,7 @@ itself while it waits.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +37,8 @@ from pstrain.runtime.atomic_io import atomic_write
 
 if TYPE_CHECKING:
     from pstrain.coordinator.job import JobState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,23 +123,28 @@ class StepLedger:
 
         Records of later steps belong to steps that will be trained again, so they are dropped (atomically) and
         come back as the steps complete anew. Kept by the step they record, not by line: a file that was short at
-        an earlier resume (a host crash lost its unsynced tail) no longer has line ``i`` for step ``i``. What is kept
-        is the unbroken run of steps that ends at ``start_step - 1`` (a step recorded twice, its later record), so
-        the records stay one per step from ``_offset`` on.
+        an earlier resume (a host crash lost its unsynced tail) no longer has line ``i`` for step ``i``. The file
+        keeps one record per earlier step (a step recorded twice: its later record), in step order; a line a crash
+        tore is skipped. The ledger's own records are the unbroken run of them that ends at ``start_step - 1`` (its
+        records are one per step from ``_offset`` on); with a gap just before the resume, none.
         """
         if start_step == 0 or not path.exists():
             return open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
-        by_step = {}
-        for line in path.read_text().splitlines():
-            record = StepRecord.from_json(line)
+        by_step: dict[int, str] = {}
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            try:
+                record = StepRecord.from_json(line)
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log.warning("%s line %d is not a step record (a crash tore it?): skipped (%s)", path, number, exc)
+                continue
             if record.step < start_step:
                 by_step[record.step] = line
         first = start_step
         while first - 1 in by_step:
             first -= 1
-        kept = [by_step[step] for step in range(first, start_step)]
-        self._records = [StepRecord.from_json(line) for line in kept]
+        self._records = [StepRecord.from_json(by_step[step]) for step in range(first, start_step)]
         self._offset = first
+        kept = [by_step[step] for step in sorted(by_step)]
         atomic_write(path, lambda fh: fh.write("".join(line + "\n" for line in kept).encode()))
         return open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 

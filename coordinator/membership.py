@@ -207,12 +207,14 @@ class Membership:
         existing = self._ps.get(shard_id)
         return existing is not None and (existing.address == address or not self.alive(existing))
 
-    def registered_at(self, address: str) -> Member | None:
-        """The worker (not failed) registered at ``address``, if any; none for an address without a port of its own
-        (empty, or port 0), which names no one process."""
+    def registered_at(self, address: str, hostname: str) -> Member | None:
+        """The worker (not failed) registered at ``address`` from ``hostname``, if any; none for an address without a
+        port of its own (empty, or port 0), which names no one process. The host too: two hosts may advertise one
+        address (containers, a loopback bind), one host cannot run two live processes on one port."""
         if not address or address.rpartition(":")[2] in ("", "0"):
             return None
-        return next((m for m in self._workers.values() if not m.failed and m.address == address), None)
+        found = (m for m in self._workers.values() if not m.failed and m.address == address and m.hostname == hostname)
+        return next(found, None)
 
     def register_again(self, worker_id: int, devices: list[str], hostname: str, metrics_address: str = "") -> Member:
         """Before the job starts, a worker that registers again at its address (its process restarted, or its

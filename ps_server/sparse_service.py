@@ -92,7 +92,9 @@ class SparseTablesServicer:
             if block.table in ids:
                 raise InvalidArgument(f"table {block.table!r} appears twice in one pull")
             ids[block.table] = decode_block(block, self._dim(shard, block.table))[0]
-        reply_bytes = sum(int(t.numel()) * self._dim(shard, name) * 4 for name, t in ids.items())
+        for name, table_ids in ids.items():  # refused now, not after the wait for the version
+            shard.tables[name].check(table_ids, "pull", unique=True)
+        reply_bytes = sum(int(t.numel()) * (self._dim(shard, name) * 4 + 8) for name, t in ids.items())  # row + id
         if reply_bytes > REPLY_ROW_BYTES:  # the reply must fit a message: refused before a row is made
             raise InvalidArgument(
                 f"a pull of {sum(int(t.numel()) for t in ids.values())} rows makes a {reply_bytes}-byte reply, more "
@@ -144,7 +146,7 @@ class SparseTablesServicer:
         with self.gate.pull(context.invocation_metadata(), context.peer(), context.time_remaining()) as wait_s:
             left_s = await self._version(shard, request.min_version, wait_s)
             _, state = await asyncio.to_thread(shard.read_table, request.table, request.min_version, left_s)
-        per = min(request.rows_per_block or ROWS_PER_BLOCK, max(1, REPLY_ROW_BYTES // (dim * 4)))  # fits a message
+        per = min(request.rows_per_block or ROWS_PER_BLOCK, max(1, REPLY_ROW_BYTES // (dim * 4 + 8)))  # fits a message
         n = int(state.ids.numel())
         for start in range(0, max(n, 1), per):
             yield encode_block(request.table, state.ids[start : start + per], state.rows[start : start + per])

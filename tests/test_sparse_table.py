@@ -315,6 +315,10 @@ def test_bad_grpc_reads_are_invalid_argument(grpc_cluster):
         with pytest.raises(grpc.RpcError) as err:
             stub.ReadTable(pb.ReadTableRequest(shard_id=0, table="t", rows_per_block=-1), timeout=10).next()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows_per_block" in err.value.details()
+        twice = pb.PullRowsRequest(shard_id=0, min_version=5, blocks=[encode_block("t", torch.tensor([0, 3, 3]))])
+        with pytest.raises(grpc.RpcError) as err:  # at once: not after waiting for a version 5 that never comes
+            stub.PullRows(twice, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unique" in err.value.details()
     finally:
         channel.close()
     wide = TableSpec("w", 2**40, 4096, seed=1)

@@ -380,9 +380,11 @@ def test_a_steps_pushes_wait_for_the_previous_directive_which_may_come_during_ba
     overlaps it), yet no bucket of step s leaves before that answer is in."""
     events: list[tuple[str, int]] = []
     lock = threading.Lock()
+    began = {step: threading.Event() for step in range(STEPS + 1)}  # step -> its backward has begun
 
     def slow_coordinator(report: pb.StepReport) -> None:
-        time.sleep(0.2)  # the coordinator's latency, longer than a step's forward and backward here
+        if report.step + 1 < STEPS:  # answers only once the next step's backward has begun (or gives up)
+            began[report.step + 1].wait(10)
         with lock:
             events.append(("answered", report.step))
 
@@ -394,6 +396,7 @@ def test_a_steps_pushes_wait_for_the_previous_directive_which_may_come_during_ba
             events.append(("armed", step))
             current[0] = step
         start(step, held)
+        began[step].set()
 
     trainer.pusher.start = armed  # type: ignore[method-assign]
     trainer.pusher.on_push = lambda bucket: events.append(("push", current[0]))
