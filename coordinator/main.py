@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import threading
 import uuid
 from pathlib import Path
@@ -41,6 +40,7 @@ from pstrain.coordinator.preflight import preflight
 from pstrain.coordinator.service import CoordinatorServicer, address_answers, ps_worker_setter
 from pstrain.coordinator.table_export import attach_table_export
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.atomic_io import atomic_write
 from pstrain.runtime.identity import IdentityHolder, MemberKeys, MemberRegistry
 from pstrain.runtime.lifecycle import add_common_flags, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
@@ -86,15 +86,7 @@ def job_keys(out_dir: Path | None, recovered: bool) -> MemberKeys:
     if recovered:
         return MemberKeys(path.read_bytes())
     keys = MemberKeys.generate()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(KEY_NAME + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, keys.job_key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(path, lambda fh: fh.write(keys.job_key))  # 0600, and its directory entry durable too
     return keys
 
 

@@ -10,8 +10,13 @@ from typing import IO
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
-    """Call ``write`` on a temp file beside ``path``, fsync it, rename it over ``path``, fsync the dir."""
+    """Call ``write`` on a temp file beside ``path`` (mode 0600), fsync it, rename it over ``path``, fsync the dir.
+
+    A directory this call creates (a shard's first checkpoint makes ``shard-<id>``) has its own entry fsynced in its
+    parent too: without that, a power loss can take the new directory, and the file in it, after the write was
+    reported durable (and the checkpoint committed)."""
     target = Path(path)
+    created = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -23,7 +28,12 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
+    for directory in (target.parent, *(d.parent for d in created)):
+        _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -38,6 +38,7 @@ from pstrain.ps_server.checkpoint import (
     shard_file,
     written_steps,
 )
+from pstrain.runtime.atomic_io import atomic_write
 from tests.helpers import REPO_ROOT, wait_for
 from tests.test_job import RAW
 
@@ -364,3 +365,36 @@ def test_resume_point_trains_anew_after_a_finished_run_and_redoes_the_tail_of_an
     ledger.confirm(0, 4)
     ledger.commit(4)
     assert resume_point(ckpt, JobIdentity("abc"), steps=10, fresh=True) is None and committed_steps(ckpt) == []
+
+
+def test_an_atomic_write_that_makes_its_directories_makes_their_entries_durable_too(tmp_path: Path, monkeypatch):
+    """The first checkpoint of a shard creates ``shard-<id>``: fsyncing the file and its directory is not enough,
+    the new directory's own entry in its parent must reach the disk too, or a power loss takes both after the write
+    was reported durable. Every directory the write created is fsynced in its parent; the file is 0600."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    target = tmp_path / "a" / "b" / "file"
+    atomic_write(target, lambda fh: fh.write(b"x"))
+    assert target.read_bytes() == b"x" and target.stat().st_mode & 0o777 == 0o600
+    for directory in (tmp_path / "a" / "b", tmp_path / "a", tmp_path):  # the file's, and each created one's parent
+        assert str(directory) in synced
+    assert not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]
+    synced.clear()
+    atomic_write(target, lambda fh: fh.write(b"y"))  # nothing created this time: only the file and its directory
+    assert synced[1:] == [str(tmp_path / "a" / "b")]
+
+
+def test_the_job_key_is_written_whole_and_private(tmp_path: Path):
+    from pstrain.coordinator.main import job_keys
+
+    keys = job_keys(tmp_path / "out", recovered=False)
+    key_file = tmp_path / "out" / "job.key"
+    assert key_file.read_bytes() == keys.job_key and key_file.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in key_file.parent.iterdir()) == ["job.key"]  # no temp file left
+    assert job_keys(tmp_path / "out", recovered=True).job_key == keys.job_key
