@@ -98,6 +98,8 @@ ERRORS: dict[grpc.StatusCode, type[PsClientError]] = {
 
 _SERVICE = full_service_name("ParameterServer")
 PIECE_PULLS = 32  # piece pulls in flight at once (each a blocking RPC in a thread); more wait their turn
+# Push-and-pull calls a client thread waits through at once (``push_pull_pieces``); more go without a waiting thread.
+PIECE_WAITS = 32
 
 
 def _as_is(message: bytes) -> bytes:
@@ -277,6 +279,12 @@ class PsClient:
         self._pool = ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-client")
         # Piece pulls wait on the shards for the step's update: a pool of their own, so they never hold up a push.
         self._pulls = ThreadPoolExecutor(max_workers=PIECE_PULLS, thread_name_prefix="ps-pull")
+        # A piece whose shard's board answers its push with its new version: one thread from the push to the copy
+        # out of the board, no hand-off and no thread of gRPC's on the step's path. That thread waits for the step's
+        # slowest worker, so at most PIECE_WAITS do; the others go without one (``_push_pull_one``), and pieces that
+        # workers push in different orders never wait on each other.
+        self._waiting = ThreadPoolExecutor(max_workers=PIECE_WAITS, thread_name_prefix="ps-push-pull")
+        self._waits = threading.BoundedSemaphore(PIECE_WAITS)
 
     def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
         """Send each shard its slice of ``flat`` (a contiguous float32 CPU vector), concurrently."""
@@ -409,6 +417,7 @@ class PsClient:
             with self._pulls_settled:  # each one is bounded by its deadline
                 self._pulls_settled.wait_for(lambda: self._open_pulls == 0)
         self._pool.shutdown(wait=True, cancel_futures=cancel)
+        self._waiting.shutdown(wait=True, cancel_futures=cancel)
         self._pulls.shutdown(wait=True, cancel_futures=cancel)
         if not cancel:  # the shards unlink this client's regions now, not when they stop; no call uses them now
             self.shared.close()
@@ -519,15 +528,63 @@ class PsClient:
         return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
     def _start_push_pull(self, args: _PushPull, follow_up: bool) -> None:
-        """Hand one piece's push-and-pull to the push pool; whatever fails before it settles both futures."""
+        """Hand one piece's push-and-pull to the push pool (``_push_pull_one``) or, where its shard's board answers
+        it in one call and fewer than PIECE_WAITS calls are waited through, to a thread that waits through it
+        (``_push_pull_waiting``); whatever fails before it settles both futures."""
         acked, pulled = args[-2], args[-1]
+        regions = self.shared.for_pull(args[0].shard_id)
+        waits = regions is not None and regions.board is not None and self._waits.acquire(blocking=False)
         try:
-            started = self._submit(self._push_pull_one, *args, follow_up=follow_up)
+            if waits:
+                started = self._submit(self._push_pull_waiting, *args, pool=self._waiting, follow_up=follow_up)
+            else:
+                started = self._submit(self._push_pull_one, *args, follow_up=follow_up)
         except Cancelled as exc:
+            if waits:
+                self._waits.release()
             _settle(acked, exc)
             _settle(pulled, exc)
             return
+        if waits:  # the call releases its place once its reply is in; a call that never started, here
+            started.add_done_callback(lambda task: task.cancelled() and self._waits.release())
         started.add_done_callback(functools.partial(_fail_with, [acked, pulled]))
+
+    def _push_pull_waiting(
+        self,
+        r: ShardRange,
+        piece: torch.Tensor,
+        worker_id: int,
+        step: int,
+        device_count: int,
+        dest: torch.Tensor,
+        acked: Future[ShardAck],
+        pulled: Future[int],
+    ) -> None:
+        """A waiting thread: push one piece to its shard's board and copy its version ``step + 1`` out of it, in one
+        blocking call (gRPC starts no thread of its own for it) and this thread throughout."""
+        args: _PushPull = (r, piece, worker_id, step, device_count, dest, acked, pulled)
+        try:
+            regions = self.shared.for_push(r, worker_id)
+            if regions is None or regions.board is None:  # the shard dropped its regions meanwhile
+                self._push_pull_one(*args)
+                return
+            header = self._combined_header(r, piece, worker_id, step, device_count, regions)
+            try:
+                reply = self._stubs[r.shard_id].PushShm(header, timeout=self._pull_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() not in _SHM_REFUSED:
+                    raise
+                self.shared.disable(r.shard_id)  # refused before the push was taken: push and pull the other way
+                self._push_pull_one(*args)
+                return
+        finally:
+            self._waits.release()  # before the copy, which waits for nobody: the next step's pieces may wait
+        acked.set_result(self._combined_ack(r, reply, waited=True))
+        if not reply.HasField("pulled"):  # a shard that predates pull_after, or regions replaced meanwhile
+            self._then(pulled, self._pull_one, r, step + 1, dest, True)
+            return
+        request = pb.PullRequest(shard_id=r.shard_id, min_version=step + 1, piece_start=r.start)
+        pulled.set_result(self._land_shared(r, reply.pulled, request, dest, regions, True))
 
     def _push_pull_one(
         self,
@@ -546,13 +603,26 @@ class PsClient:
             acked.set_result(self._push_one(r, piece, worker_id, step, device_count, True))
             self._then(pulled, self._pull_one, r, step + 1, dest, True)
             return
+        header = self._combined_header(r, piece, worker_id, step, device_count, regions)
+        call = self._stubs[r.shard_id].PushShm.future(header, timeout=self._pull_timeout_s)
+        args: _PushPull = (r, piece, worker_id, step, device_count, dest, acked, pulled)
+        call.add_done_callback(functools.partial(self._pushed_and_published, args, regions))
+
+    def _combined_header(
+        self, r: ShardRange, piece: torch.Tensor, worker_id: int, step: int, device_count: int, regions: MappedPair
+    ) -> pb.PushHeader:
+        """Place the piece in its push region; the header of its push with ``pull_after``, whose deadline is the
+        pull's, since it waits for the step's slowest worker."""
         header = self._push_header(r, worker_id, step, device_count, True)
         header.shm_nonce = regions.nonce
         header.pull_after = True
         self._place(regions, r, round_push(piece, self._push_dtype))
-        call = self._stubs[r.shard_id].PushShm.future(header, timeout=self._pull_timeout_s)
-        args: _PushPull = (r, piece, worker_id, step, device_count, dest, acked, pulled)
-        call.add_done_callback(functools.partial(self._pushed_and_published, args, regions))
+        return header
+
+    def _combined_ack(self, r: ShardRange, reply: pb.PushReply, waited: bool = False) -> ShardAck:
+        pulled = int(reply.HasField("pulled"))
+        self.shared.count(shared=r.numel * 4, push_pulls=pulled, waited_push_pulls=pulled if waited else 0)
+        return ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped)
 
     def _pushed_and_published(self, args: _PushPull, regions: MappedPair, call: grpc.Future) -> None:
         """gRPC's callback thread, once the combined call has ended: settle the acknowledgement and hand the copy
@@ -573,8 +643,7 @@ class PsClient:
             _settle(acked, exc)
             _settle(pulled, exc)
             return
-        acked.set_result(ShardAck(r.shard_id, reply.version, reply.duplicate, reply.completed, reply.skipped))
-        self.shared.count(shared=r.numel * 4, push_pulls=int(reply.HasField("pulled")))
+        acked.set_result(self._combined_ack(r, reply))
         if not reply.HasField("pulled"):  # a shard that predates pull_after, or regions replaced meanwhile
             self._then(pulled, self._pull_one, r, step + 1, dest, True)
             return

@@ -64,6 +64,7 @@ class TransportCounts:
     board_pulls: int = 0  # piece pulls copied straight out of a shard's published board
     board_retries: int = 0  # of those, copies the board's stamp refused (pulled again through the pull region)
     push_pulls: int = 0  # pieces pushed and pulled back in one call (PushShared with pull_after)
+    waited_push_pulls: int = 0  # of those, calls a client thread waited through (``ps_client.PIECE_WAITS``)
     placed_pushes: int = 0  # pieces a device had already copied into the push region (no copy here)
 
 
@@ -136,6 +137,7 @@ class SharedMemory:
         board_pulls: int = 0,
         board_retries: int = 0,
         push_pulls: int = 0,
+        waited_push_pulls: int = 0,
         placed_pushes: int = 0,
     ) -> None:
         with self._count_lock:
@@ -144,6 +146,7 @@ class SharedMemory:
             self.counts.board_pulls += board_pulls
             self.counts.board_retries += board_retries
             self.counts.push_pulls += push_pulls
+            self.counts.waited_push_pulls += waited_push_pulls
             self.counts.placed_pushes += placed_pushes
 
     def close(self) -> None:

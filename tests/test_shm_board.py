@@ -399,6 +399,10 @@ def test_a_colocated_push_and_its_pull_are_one_call_equal_to_streaming(bf16: boo
                 pieces = len(pieces_of(client.ranges[0])) * len(client.ranges)
                 assert counts.push_pulls == (3 * pieces if shared else 0)
                 assert counts.board_pulls == (3 * pieces if shared else 0)
+                # A client thread waits through each call once the regions are known (steps 1 and 2 at least)
+                assert (
+                    (2 * pieces <= counts.waited_push_pulls <= 3 * pieces) if shared else counts.waited_push_pulls == 0
+                )
                 client.close()
             results[shared] = params
         finally:
@@ -427,15 +431,19 @@ def test_pull_after_is_refused_on_a_push_stream_and_changes_nothing(cluster: Clu
     assert {p.version for p in cluster.shards[0].pieces} == {0} and cluster.shards[0].last_step_of(0) == -1
 
 
-def test_no_thread_waits_for_a_combined_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A combined call waits for the other workers on the shard, not in a client thread: with a pull pool of one
-    thread, two workers that push their pieces in opposite orders still complete every step."""
+def test_combined_calls_beyond_the_waiting_threads_wait_for_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PIECE_WAITS calls a client thread waits through, a combined call waits for the other workers on the
+    shard, not in a client thread: with one waiting thread and a pull pool of one, two workers that push their
+    pieces in opposite orders still complete every step."""
     monkeypatch.setattr(ps_client, "PIECE_PULLS", 1)
+    monkeypatch.setattr(ps_client, "PIECE_WAITS", 1)
     c = start_cluster()
     try:
         _, clients = _train_pushing_and_pulling(c, True, orders=(1, -1))
         for client in clients:
-            assert client.shared.counts.push_pulls == 3 * len(pieces_of(client.ranges[0])) * len(client.ranges)
+            counts = client.shared.counts
+            assert counts.push_pulls == 3 * len(pieces_of(client.ranges[0])) * len(client.ranges)
+            assert counts.waited_push_pulls < counts.push_pulls  # each step's pieces are in flight at once
             client.close()
     finally:
         c.stop()

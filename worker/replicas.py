@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ from pstrain.runtime.layout import ParamLayout
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
 from pstrain.worker.param_offload import HostGradSum, ParamOffload, offload_layers
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -229,14 +231,10 @@ class ReplicaSet:
             r.model.train(mode)
 
     def forward_backward(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn) -> list[float]:
-        """Run every device on its slice at once (one thread each; torch releases the GIL)."""
+        """Run every device on its slice at once (``_each``)."""
         if len(inputs) != len(self.replicas) or len(targets) != len(self.replicas):
             raise ValueError(f"need one input slice per device ({len(self.replicas)})")
-        futures = [
-            self._pool.submit(r.forward_backward, x, y, loss_fn)
-            for r, x, y in zip(self.replicas, inputs, targets, strict=True)
-        ]
-        losses = [f.result() for f in futures]
+        losses = self._each(lambda _, r, x, y: r.forward_backward(x, y, loss_fn), inputs, targets)
         self._synchronize()
         return [float(loss) for loss in losses]
 
@@ -303,11 +301,7 @@ class ReplicaSet:
                 self._loader.ensure_all(index, lambda bucket: r.load_bucket(self.host_params, bucket))
             return loss
 
-        futures = [
-            self._pool.submit(run, i, r, x, y)
-            for i, (r, x, y) in enumerate(zip(self.replicas, inputs, targets, strict=True))
-        ]
-        self._losses = [f.result() for f in futures]
+        self._losses = self._each(run, inputs, targets)
         return [float(loss.detach()) for loss in self._losses]
 
     def backward(self) -> None:
@@ -318,12 +312,18 @@ class ReplicaSet:
             if self._pusher is not None:
                 self._pusher.device_done(index, r.stage_bucket)
 
-        pairs = enumerate(zip(self.replicas, self._losses, strict=True))
-        futures = [self._pool.submit(run, i, r, loss) for i, (r, loss) in pairs]
-        self._losses = []
-        for f in futures:
-            f.result()
+        losses, self._losses = self._losses, []
+        self._each(run, losses)
         self._synchronize()
+
+    def _each(self, run: Callable[..., T], *columns: Sequence[Any]) -> list[T]:
+        """``run(index, replica, *(column[index] for column in columns))`` on every device, at once: one thread each
+        (torch releases the GIL), or this thread where there is one device (no hand-off on the step's path)."""
+        rows = [(i, r, *args) for i, (r, *args) in enumerate(zip(self.replicas, *columns, strict=True))]
+        if len(rows) == 1:
+            return [run(*rows[0])]
+        futures = [self._pool.submit(run, *row) for row in rows]
+        return [f.result() for f in futures]
 
     def drop_losses(self) -> None:
         """Forget the graphs of a ``forward`` whose step is not backpropagated (a non-finite loss)."""
