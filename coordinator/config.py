@@ -319,6 +319,26 @@ class TransportConfig:
         )
 
 
+def _block_problems(blocks: list[str]) -> list[str]:
+    """Why ``memory.blocks`` cannot be profiled as one layer each (empty: it can).
+
+    The profiler takes each block with all its parameters and saved tensors, so a name given twice, a
+    block inside another one, or "" (the whole model, which holds every layer) would count the same
+    parameters twice: resident memory, the plan, the batch and ``MemoryMax`` would all be overstated.
+    """
+    problems = []
+    if "" in blocks:
+        problems.append("'' names the whole model, which contains every layer")
+    repeated = sorted({b for b in blocks if blocks.count(b) > 1})
+    if repeated:
+        problems.append(f"{', '.join(map(repr, repeated))} given more than once")
+    named = sorted({b for b in blocks if b})
+    problems += [
+        f"{inner!r} is inside {outer!r}" for outer in named for inner in named if inner.startswith(outer + ".")
+    ]
+    return problems
+
+
 @dataclass(frozen=True)
 class MemoryConfig:
     device_memory: str | None = None
@@ -366,6 +386,8 @@ class MemoryConfig:
         b = self.profile_batches
         _require(len(b) == 2 and 0 < b[0] < b[1], "memory.profile_batches", f"must be two sizes b1 < b2, got {b}")
         _require(b[1] <= MAX_BATCH, "memory.profile_batches", f"must be at most {MAX_BATCH}, got {b}")
+        problems = _block_problems(self.blocks)
+        _require(not problems, "memory.blocks", f"{'; '.join(problems)}: name each block once, the outermost only")
         for key in ("device_memory", "bandwidth", "pinned_limit", "increment", "host_memory"):
             value = getattr(self, key)
             if value is None:
@@ -377,6 +399,11 @@ class MemoryConfig:
             except OverflowError:
                 raise ConfigError(f"memory.{key}: {value!r} is too large") from None
             low = 1 if key in ("device_memory", "bandwidth", "host_memory") else 0
+            _require(
+                size > 0 or key != "increment" or self.estimate != "iterative",
+                "memory.increment",
+                f"must be positive with memory.estimate: iterative (each trial raises the limit by it), got {value!r}",
+            )
             _require(low <= size <= MAX_BYTES, f"memory.{key}", f"must be in [{low} B, 1 PiB], got {value!r}")
 
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from pstrain.coordinator.config import MAX_BATCH, JobConfig
-from pstrain.coordinator.errors import ConfigError
+from pstrain.coordinator.errors import ConfigError, InvalidRequest
 from pstrain.coordinator.plan import Plan, make_plan
 from pstrain.coordinator.probe import ProbeSetup
 from pstrain.nn import seeded_rows
@@ -27,18 +27,18 @@ from pstrain.planner.memory_plan import (
     MemoryPlan,
     Policy,
     batch_limits,
-    host_bytes,
     largest_model,
     max_batch,
-    peak_bytes,
     plan_for_batch,
     s15_max_batch,
 )
+from pstrain.planner.profile_wire import check_profile
 from pstrain.planner.profiler import ModelProfile, profile_model
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import resolve_loss
 from pstrain.runtime.memory_trend import cgroup_memory_max, mem_available_bytes
 from pstrain.runtime.optimizers import LARGE_BATCH, optimizer_entry
+from pstrain.runtime.sparse_rows import owned_by
 from pstrain.runtime.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class JobPlan:
     max_batch_no_swap: int = 0
     max_batch_with_plan: int = 0
     max_batch_s15: int = 0
-    ps_bytes_per_shard: int = 0
+    ps_bytes_per_shard: int = 0  # the fullest shard: dense range, its optimizer state and its sparse table rows
+    ps_table_bytes_per_shard: int = 0  # of which sparse embedding table rows (issue 9), once every row is touched
     limits: BatchLimits | None = None  # device-fit, host-fit and which binds, at the job's policy
     batch_reason: str = ""  # why the chosen batch is what it is
     warnings: tuple[str, ...] = ()
@@ -172,7 +173,14 @@ def plan_job(
     budget = budget_for(cfg, device_memory, bandwidth, host_memory)
     auto = cfg.batch.per_device == "auto"
     devices = cfg.cluster.workers * cfg.cluster.device_count
-    data_cap = max(1, len(dataset) // devices)  # type: ignore[arg-type]
+    samples = len(dataset)  # type: ignore[arg-type]
+    if samples < devices:
+        raise ConfigError(
+            f"cluster.workers: the training set has {samples} sample(s), fewer than the job's {devices} devices "
+            f"({cfg.cluster.workers} worker(s) x {cfg.cluster.device_count}): every device needs at least one "
+            "sample per step and the global batch may not exceed the training set; use fewer workers or devices"
+        )
+    data_cap = samples // devices
     if budget is None:
         if auto:
             raise ConfigError(
@@ -184,30 +192,29 @@ def plan_job(
         return JobPlan(
             plan,
             ps_bytes_per_shard=ps_bytes(cfg, total_params),
+            ps_table_bytes_per_shard=table_bytes_per_shard(cfg),
             batch_reason=reason,
             warnings=_lr_warnings(cfg, plan),
             data_cap=data_cap,
         )
     profile = profile_job(cfg, model, dataset)
-    allow_swap = cfg.memory.policy != "keep"
+    allow_swap, swap_all = cfg.memory.policy != "keep", cfg.memory.policy == "swap"
     no_swap = max_batch(profile, budget, allow_swap=False)
-    with_plan = max_batch(profile, budget, allow_swap=True)
-    limits = batch_limits(profile, budget, allow_swap, upper=MAX_BATCH)
+    with_plan = max_batch(profile, budget, allow_swap=True, swap_all=swap_all)
+    limits = batch_limits(profile, budget, allow_swap, upper=MAX_BATCH, swap_all=swap_all)
     if auto:
-        batch, reason = limits.both, _memory_reason(limits, budget)
+        batch, reason = limits.both, _memory_reason(limits, budget, cfg.memory.policy)
         if cfg.batch.max_per_device is not None and cfg.batch.max_per_device < batch:
             batch, reason = cfg.batch.max_per_device, f"batch.max_per_device caps it at {cfg.batch.max_per_device}"
         if batch < 1:
             raise ConfigError(
-                f"batch.per_device: not even one sample fits ({_memory_reason(limits, budget)}); "
+                f"batch.per_device: not even one sample fits ({_memory_reason(limits, budget, cfg.memory.policy)}); "
                 "try memory.offload_params: true or a larger memory.host_memory"
             )
         batch, reason = _capped(batch, data_cap, reason, len(dataset), devices)  # type: ignore[arg-type]
     else:
         batch, reason = _capped(int(cfg.batch.per_device), data_cap, "set by batch.per_device", len(dataset), devices)  # type: ignore[arg-type]
-    memory = plan_for_batch(profile, batch, budget, allow_swap=allow_swap)
-    if cfg.memory.policy == "swap":
-        memory = _all_swap(memory, profile, budget)
+    memory = _memory_for(cfg, profile, batch, budget)
     if not memory.fits:
         log.warning(
             "batch %d does not fit (device %s, host %s) even with the memory plan",
@@ -236,6 +243,7 @@ def plan_job(
         with_plan,
         s15_max_batch(profile, budget.device_bytes),
         ps_bytes(cfg, total_params),
+        table_bytes_per_shard(cfg),
         limits,
         reason,
         warnings,
@@ -256,12 +264,21 @@ def _capped(batch: int, data_cap: int, reason: str, samples: int, devices: int) 
     return data_cap, message
 
 
-def _memory_reason(limits: BatchLimits, budget: MemoryBudget) -> str:
+def _memory_reason(limits: BatchLimits, budget: MemoryBudget, policy: str = "auto") -> str:
     host = "unlimited" if budget.host_bytes is None else _size(budget.host_bytes)
+    swapped = " with every layer swapped (memory.policy: swap)" if policy == "swap" else ""
     if limits.binding == "host":
-        return f"host memory binds: {host} fits {limits.host}/device, the device would fit {limits.device}"
+        return f"host memory binds{swapped}: {host} fits {limits.host}/device, the device would fit {limits.device}"
     device = _size(budget.device_bytes)
-    return f"device memory binds: {device} fits {limits.device}/device (host {host} would fit {limits.host})"
+    return f"device memory binds{swapped}: {device} fits {limits.device}/device (host {host} would fit {limits.host})"
+
+
+def _auto_batch(cfg: JobConfig, profile: ModelProfile, budget: MemoryBudget) -> tuple[int, str]:
+    """``batch.per_device: auto``: the largest batch whose plan, the one the workers will run, fits."""
+    limits = batch_limits(
+        profile, budget, cfg.memory.policy != "keep", upper=MAX_BATCH, swap_all=cfg.memory.policy == "swap"
+    )
+    return limits.both, _memory_reason(limits, budget, cfg.memory.policy)
 
 
 def _lr_warnings(cfg: JobConfig, plan: Plan) -> tuple[str, ...]:
@@ -306,21 +323,34 @@ def memory_max(cfg: JobConfig, job: JobPlan, total_params: int) -> dict[str, int
     }
 
 
-def _all_swap(memory: MemoryPlan, profile: ModelProfile, budget: MemoryBudget) -> MemoryPlan:
-    decisions = tuple(replace(d, policy=Policy.SWAP) if d.saved_bytes > 0 else d for d in memory.decisions)
-    policies = {d.name: d.policy for d in decisions}
-    return replace(
-        memory,
-        decisions=decisions,
-        peak_bytes=peak_bytes(profile, memory.batch, policies, budget),
-        host_bytes=host_bytes(profile, memory.batch, policies, budget),
-    )
-
-
 def ps_bytes(cfg: JobConfig, total_params: int) -> int:
-    """Parameters, the gradient accumulator and the optimizer state of the largest shard."""
+    """The fullest shard: its dense range (parameters, the gradient accumulator, the optimizer state) and
+    its sparse table rows (``table_bytes_per_shard``)."""
     shard = -(-total_params // cfg.cluster.ps_shards)
-    return shard * 4 * (2 + optimizer_entry(cfg.optimizer.name).state_tensors)
+    return shard * 4 * (2 + optimizer_entry(cfg.optimizer.name).state_tensors) + table_bytes_per_shard(cfg)
+
+
+TABLE_STATE_TENSORS = {"sgd": 0, "adagrad": 1, "adam": 2}
+"""Per-row optimizer state of a sparse table, in tensors of ``dim`` floats (``ps_server/sparse_table.py``)."""
+SLOT_INDEX_BYTES_PER_ROW = 120
+"""A held row's id (int64) and its entry in the shard's id -> slot dict (about 106 B measured on CPython 3)."""
+
+
+def table_bytes_per_shard(cfg: JobConfig) -> int:
+    """Sparse embedding tables on the fullest PS shard once every row has been touched (issue 9).
+
+    Rows are dealt by ``id % ps_shards``, so shard 0 owns the most of every table, ``ceil(rows / shards)``;
+    each row it holds costs its values, its optimizer's state (and Adam's step count) and its slot index.
+    An upper bound for a job that touches every row, as a long one does; the tables' tensors grow by
+    doubling, so right after a growth they may hold spare capacity the bound leaves out.
+    """
+    total = 0
+    for table in cfg.table_specs():
+        rows = owned_by(0, cfg.cluster.ps_shards, table.rows)
+        state = TABLE_STATE_TENSORS[table.optimizer]
+        step = 4 if table.optimizer == "adam" else 0
+        total += rows * (table.dim * 4 * (1 + state) + step + SLOT_INDEX_BYTES_PER_ROW)
+    return total
 
 
 def describe(job: JobPlan) -> str:
@@ -376,7 +406,12 @@ def describe(job: JobPlan) -> str:
     lines += [
         f"chosen batch {p.per_device_batch}/device, global {p.global_batch}; "
         f"lr {p.base_lr:g} x {p.lr_factor:g} ({p.lr_scaling}) = {p.scaled_lr:g}",
-        f"estimated PS memory: {_size(job.ps_bytes_per_shard)} per shard",
+        f"estimated PS memory: {_size(job.ps_bytes_per_shard)} per shard"
+        + (
+            f" (sparse tables up to {_size(job.ps_table_bytes_per_shard)} of it, once every row is touched)"
+            if job.ps_table_bytes_per_shard
+            else ""
+        ),
     ]
     if job.batch_reason:
         lines.append(f"batch: {job.batch_reason}")
@@ -413,12 +448,17 @@ class ProbePlanner:
         self.source = ""  # "" while the coordinator's own profile is in use
 
     def replan(self, batch: int) -> tuple[Plan, pb.JobSpec]:
+        return self._plan_with(self.profile, self.budget, self.source, batch)
+
+    def _plan_with(
+        self, profile: ModelProfile | None, budget: MemoryBudget | None, source: str, batch: int
+    ) -> tuple[Plan, pb.JobSpec]:
         plan = make_plan(self.cfg, batch)
         policies: dict[str, str] = {}
-        if self.profile is not None and self.budget is not None:
-            policies = _memory_for(self.cfg, self.profile, batch, self.budget).policies()
+        if profile is not None and budget is not None:
+            policies = _memory_for(self.cfg, profile, batch, budget).policies()
         spec = self.spec_for(plan, policies)
-        spec.memory_profile = self.source
+        spec.memory_profile = source
         return plan, spec
 
     def adopt(self, profile: ModelProfile, worker_id: int = 0) -> tuple[Plan, pb.JobSpec, int | None] | None:
@@ -427,30 +467,37 @@ class ProbePlanner:
         Returns the plan, its spec and the device budget in bytes. Without a budget of its own (no
         ``memory.device_memory``, no GPU on the coordinator) the coordinator takes the device's size from
         the profile; a CPU stand-in's profile has none, and then only a budget from the job file plans.
+        Raises ``InvalidRequest`` for a profile it would plan from but cannot (``check_profile``: a batch of 0,
+        no layers, a negative or non-finite figure, layers that are not the model's); the planner keeps
+        its profile until a new plan has been made from the new one, so a refused report changes nothing.
         """
         cfg = self.cfg
+        own = self.job_plan.profile
         budget = self.budget
         if budget is None and profile.device_total_bytes > 0:
             budget = budget_for(cfg, device_memory=str(profile.device_total_bytes))
         if budget is None:
             log.info("the master's %s profile arrived, but there is no device budget to plan with", profile.device)
             return None
-        self.profile, self.budget = profile, budget
-        self.source = f"{profile.device} on worker {worker_id} (probe)"
+        try:
+            check_profile(profile, [layer.name for layer in own.layers] if own is not None else None)
+        except ValueError as exc:
+            raise InvalidRequest(f"the master's {profile.device or 'device'} profile: {exc}") from exc
+        source = f"{profile.device} on worker {worker_id} (probe)"
         batch, reason = self.job_plan.plan.per_device_batch, "batch.per_device"
         if cfg.batch.per_device == "auto":
-            limits = batch_limits(profile, budget, cfg.memory.policy != "keep", upper=MAX_BATCH)
-            batch, reason = limits.both, _memory_reason(limits, budget)
+            batch, reason = _auto_batch(cfg, profile, budget)
             if cfg.batch.max_per_device is not None and cfg.batch.max_per_device < batch:
                 batch, reason = cfg.batch.max_per_device, "batch.max_per_device caps it"
             if self.job_plan.data_cap and batch > self.job_plan.data_cap:
                 batch, reason = self.job_plan.data_cap, f"capped at {self.job_plan.data_cap}/device by the training set"
             batch = max(1, batch)
-        plan, spec = self.replan(batch)
+        plan, spec = self._plan_with(profile, budget, source, batch)
+        self.profile, self.budget, self.source = profile, budget, source  # only once a plan was made from it
         log.info(
             "memory plan re-made from the %s profile (was: the coordinator's %s profile): batch %d (%s), %s",
             self.source,
-            self.job_plan.profile.device if self.job_plan.profile is not None else "no",
+            own.device if own is not None else "no",
             batch,
             reason,
             ", ".join(f"{k}={v}" for k, v in sorted(spec.layer_policies.items())) or "every layer kept",
@@ -459,8 +506,9 @@ class ProbePlanner:
 
 
 def _memory_for(cfg: JobConfig, profile: ModelProfile, batch: int, budget: MemoryBudget) -> MemoryPlan:
-    memory = plan_for_batch(profile, batch, budget, allow_swap=cfg.memory.policy != "keep")
-    return _all_swap(memory, profile, budget) if cfg.memory.policy == "swap" else memory
+    """The plan the workers run at ``batch`` under ``memory.policy`` (swap: every layer swapped)."""
+    policy = cfg.memory.policy
+    return plan_for_batch(profile, batch, budget, allow_swap=policy != "keep", swap_all=policy == "swap")
 
 
 def probe_setup(

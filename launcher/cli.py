@@ -156,9 +156,25 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_size_flags(args: argparse.Namespace) -> None:
+    """``pstrain plan``'s size and rate flags must read as positive sizes: ``ValueError`` naming the flag."""
+    for flag in ("device_memory", "bandwidth", "host_memory", "network_bandwidth"):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        try:
+            size = parse_bytes(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        if size <= 0:
+            raise ValueError(f"{name}: must be positive, got {value!r}")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan without starting a cluster."""
     try:
+        _check_size_flags(args)
         cfg = load_config(args.config)
         checked = preflight(cfg)
         model = checked.model

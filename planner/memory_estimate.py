@@ -16,10 +16,13 @@ proportion (with the margin) and is re-planned and probed again.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from dataclasses import dataclass
 
 from pstrain.planner.profiler import ModelProfile
+
+log = logging.getLogger(__name__)
 
 
 class EstimateMode(str, enum.Enum):
@@ -64,7 +67,16 @@ class IterativeEstimate:
         if trial.limit_bytes and trial.utilization <= self.policy.target_utilization:
             return None
         if self.trials >= self.policy.max_trials:
-            return None  # accept the last limit rather than loop forever; the log says so
+            log.warning(
+                "iterative memory estimate: %d trials ran out at utilisation %.0f%% of %d B, over the target "
+                "%.0f%%; accepting %d B (raise memory.increment or lower memory.target_utilization)",
+                self.trials,
+                100 * trial.utilization,
+                trial.limit_bytes,
+                100 * self.policy.target_utilization,
+                self.limit,
+            )
+            return None  # accept the last limit rather than loop forever
         self.limit += self.policy.increment_bytes
         return self.limit
 

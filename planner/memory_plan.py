@@ -156,7 +156,11 @@ def host_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], b
     return (swapped + staging) * budget.devices_per_host + 2 * profile.param_bytes
 
 
-def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allow_swap: bool = True) -> MemoryPlan:
+def plan_for_batch(
+    profile: ModelProfile, batch: int, budget: MemoryBudget, allow_swap: bool = True, swap_all: bool = False
+) -> MemoryPlan:
+    """The plan at ``batch``: the greedy (``allow_swap``), everything kept, or (``swap_all``, ``memory.policy:
+    swap``) every layer that saves anything swapped, whether or not it needs to be."""
     scale = _scale(profile, batch)
     overlap = profile.step_s() * scale
     all_saved = sum(layer.saved_bytes(batch) for layer in profile.layers)
@@ -167,7 +171,9 @@ def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allo
     def fits() -> bool:
         return peak_bytes(profile, batch, policies, budget) <= budget.device_bytes
 
-    if allow_swap and not fits():
+    if swap_all:
+        policies.update({la.name: Policy.SWAP for la in profile.layers if la.saved_bytes(batch) > 0})
+    elif allow_swap and not fits():
         candidates = [layer for layer in profile.layers if layer.saved_bytes(batch) > 0]
         ratio = {layer.name: swap_s[layer.name] / max(recompute_s[layer.name], 1e-9) for layer in candidates}
         spent = 0.0
@@ -197,9 +203,11 @@ def plan_for_batch(profile: ModelProfile, batch: int, budget: MemoryBudget, allo
     )
 
 
-def max_batch(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40) -> int:
+def max_batch(
+    profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40, swap_all: bool = False
+) -> int:
     """The largest batch whose plan fits the device and the host (0 if not even one sample fits)."""
-    return _largest(lambda b: plan_for_batch(profile, b, budget, allow_swap).fits, upper)
+    return _largest(lambda b: plan_for_batch(profile, b, budget, allow_swap, swap_all).fits, upper)
 
 
 def _largest(fits: Callable[[int], bool], upper: int) -> int:
@@ -233,11 +241,14 @@ class BatchLimits:
         return "host" if self.host < self.device else "device"
 
 
-def batch_limits(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40) -> BatchLimits:
+def batch_limits(
+    profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, upper: int = 1 << 40, swap_all: bool = False
+) -> BatchLimits:
+    """Each limit of the plan the workers will run: the greedy's, or with ``swap_all`` the all-swap plan's."""
     device_only = replace(budget, host_bytes=None)
-    device = max_batch(profile, device_only, allow_swap, upper)
-    host = _largest(lambda b: plan_for_batch(profile, b, budget, allow_swap).fits_host, upper)
-    return BatchLimits(device, host, max_batch(profile, budget, allow_swap, upper))
+    device = max_batch(profile, device_only, allow_swap, upper, swap_all)
+    host = _largest(lambda b: plan_for_batch(profile, b, budget, allow_swap, swap_all).fits_host, upper)
+    return BatchLimits(device, host, max_batch(profile, budget, allow_swap, upper, swap_all))
 
 
 def largest_model(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, batch: int = 1) -> float:

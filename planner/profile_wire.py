@@ -3,9 +3,16 @@
 Issue 10 ("plans measured where they run"): swap/recompute decisions rest on the ratio of layer
 compute time to copy bandwidth, so a plan for a GPU made from CPU-measured times is only a guess
 until the master's own profile arrives with its first probe report.
+
+A profile from the wire is checked (``check_profile``) before anything plans from it: a batch of 0
+divides by zero in the planner, an empty layer list plans no memory at all (the batch jumps to the
+search's cap), and a layer name the model does not have would be sent to every worker as a policy.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 from pstrain.planner.profiler import LayerProfile, ModelProfile
 from pstrain.protos import pstrain_pb2 as pb
@@ -45,3 +52,42 @@ def profile_from_pb(message: pb.DeviceProfile) -> ModelProfile:
         for e in message.layers
     )
     return ModelProfile(layers, message.batch, message.device, message.device_total_bytes)
+
+
+def check_profile(profile: ModelProfile, layer_names: Sequence[str] | None = None) -> None:
+    """Raise ``ValueError`` naming what is wrong unless the planner can plan from ``profile``.
+
+    ``layer_names``: the layers the model has, in order (the coordinator's own profile's), which the
+    profile must name exactly: the plan's policies go to the workers by these names.
+    """
+    if profile.batch < 1:
+        raise ValueError(f"batch must be at least 1, got {profile.batch}")
+    if profile.device_total_bytes < 0:
+        raise ValueError(f"device_total_bytes must be non-negative, got {profile.device_total_bytes}")
+    if not profile.layers:
+        raise ValueError("it has no layers")
+    for layer in profile.layers:
+        for key in ("param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample"):
+            _non_negative(layer.name, key, getattr(layer, key))
+        _non_negative(layer.name, "forward_s", layer.forward_s)
+        _non_negative(layer.name, "backward_s", layer.backward_s)
+    names = [layer.name for layer in profile.layers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"layer names repeat: {_few(sorted({n for n in names if names.count(n) > 1}))}")
+    if layer_names is not None and names != list(layer_names):
+        unknown = [n for n in names if n not in layer_names]
+        missing = [n for n in layer_names if n not in names]
+        raise ValueError(
+            f"its layers {_few(names)} are not the model's {_few(list(layer_names))}"
+            f" (unknown: {_few(unknown)}; missing: {_few(missing)})"
+        )
+
+
+def _non_negative(layer: str, key: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"layer {layer!r}: {key} must be a finite non-negative number, got {value}")
+
+
+def _few(names: list[str], shown: int = 6) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return "[" + ", ".join(map(repr, names[:shown])) + more + "]"

@@ -126,12 +126,15 @@ class ParamLayout:
         Autograd accumulates into the bound views in place; a hook or ``zero_grad(set_to_none)``
         may replace or drop one. Called every step, so it trusts ``bind``'s check of the model.
         """
+        base, size = flat_grads.data_ptr(), flat_grads.element_size()
         for param, (offset, n, _) in zip(model.parameters(), self._spans(), strict=True):
+            grad = param.grad
+            if grad is not None and grad.data_ptr() == base + offset * size:
+                continue  # still its view: no view made per parameter and step
             view = flat_grads[offset : offset + n]
-            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                if param.grad is not None:
-                    view.copy_(param.grad.reshape(-1))
-                param.grad = view.view(param.shape)
+            if grad is not None:
+                view.copy_(grad.reshape(-1))
+            param.grad = view.view(param.shape)
 
     # ------------------------------------------------------------------ PS shards
 

@@ -546,8 +546,12 @@ class PsClient:
             _settle(pulled, exc)
             return
         if waits:  # the call releases its place once its reply is in; a call that never started, here
-            started.add_done_callback(lambda task: task.cancelled() and self._waits.release())
+            started.add_done_callback(self._release_if_cancelled)
         started.add_done_callback(functools.partial(_fail_with, [acked, pulled]))
+
+    def _release_if_cancelled(self, task: Future[None]) -> None:
+        if task.cancelled():
+            self._waits.release()
 
     def _push_pull_waiting(
         self,

@@ -11,6 +11,7 @@ memory is sized; prefer them for ``memory.device_memory``/``host_memory``). Case
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -31,8 +32,12 @@ _SIZE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([a-z]*)")
 def parse_bytes(text: str | int | float) -> int:
     """``"80GiB"``, ``"512MB"``, ``"1.5e9"`` -> bytes; a rate (``"12GB/s"``) reads as bytes per second."""
     if isinstance(text, (int, float)):
-        return int(text)
-    match = _SIZE.fullmatch(text.strip().lower().replace(" ", "").removesuffix("/s"))
-    if match is None or match.group(2) not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: use e.g. 80GiB, 512MB or 1e9")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+        value = float(text) if isinstance(text, float) else text
+    else:
+        match = _SIZE.fullmatch(text.strip().lower().replace(" ", "").removesuffix("/s"))
+        if match is None or match.group(2) not in _UNITS:
+            raise ValueError(f"cannot read {text!r} as a size: use e.g. 80GiB, 512MB or 1e9")
+        value = float(match.group(1)) * _UNITS[match.group(2)]
+    if isinstance(value, float) and not math.isfinite(value):  # "1e400" reads as inf: no int holds it
+        raise ValueError(f"{text!r} is too large: not a finite number of bytes")
+    return int(value)

@@ -67,6 +67,13 @@ def test_whole_layer_offload_refuses_a_gpu_listed_twice():
         (with_("batch", per_device="max"), r"batch\.per_device: must be a number or .auto."),
         (with_("memory", policy="offload"), r"memory\.policy"),
         (with_("memory", device_memory="lots"), r"memory\.device_memory: cannot read"),
+        (with_("memory", blocks=["enc", "enc"]), r"^memory\.blocks: 'enc' given more than once"),
+        (with_("memory", blocks=["enc", "enc.1", "head"]), r"^memory\.blocks: 'enc\.1' is inside 'enc'"),
+        (with_("memory", blocks=[""]), r"^memory\.blocks: '' names the whole model"),
+        (
+            with_("memory", estimate="iterative", increment="0"),
+            r"^memory\.increment: must be positive with memory\.estimate: iterative",
+        ),
         (with_("batch", lr_scaling="cubic"), r"batch\.lr_scaling: 'cubic' is not one of"),
         (with_("cluster", devices_per_worker=[]), r"cluster\.devices_per_worker: the device list is empty"),
         (with_("cluster", ps_shards=0), r"cluster\.ps_shards: must be at least 1"),
@@ -84,6 +91,12 @@ def test_whole_layer_offload_refuses_a_gpu_listed_twice():
 def test_bad_config_names_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(raw)
+
+
+def test_blocks_that_only_share_a_prefix_and_a_zero_increment_outside_iterative_are_accepted():
+    blocks = ["enc", "encoder", "enc_head"]
+    assert parse_config(with_("memory", blocks=blocks)).memory.blocks == blocks
+    assert parse_config(with_("memory", estimate="increment", increment="0")).memory.increment == "0"
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):

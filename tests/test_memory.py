@@ -1,5 +1,6 @@
 """The memory planner: profile, swap-out/in, recompute, swap-or-recompute plan, largest batch."""
 
+import logging
 import math
 import weakref
 
@@ -11,6 +12,7 @@ from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.plan import make_plan
 from pstrain.coordinator.planning import describe, plan_job
+from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy, IterativeEstimate, Probe
 from pstrain.planner.memory_plan import MemoryBudget, Policy, max_batch, plan_for_batch, s15_max_batch
 from pstrain.planner.profiler import LayerProfile, ModelProfile, profile_model
 from pstrain.runtime.units import parse_bytes
@@ -341,6 +343,28 @@ def test_parse_bytes():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("12GB/s") == 12 * 10**9 and parse_bytes("1e3") == 1000
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("text", ["1e400", "1e999GiB", float("inf")])
+def test_parse_bytes_refuses_a_size_no_integer_holds_with_a_value_error(text):
+    with pytest.raises(ValueError, match="is too large: not a finite number of bytes"):
+        parse_bytes(text)
+
+
+def test_the_iterative_estimate_warns_when_its_trials_run_out(caplog):
+    policy = EstimatePolicy(EstimateMode.ITERATIVE, increment_bytes=10, target_utilization=0.5, max_trials=3)
+    loop = IterativeEstimate(policy, actual_bytes=100)
+    limits = []
+    with caplog.at_level(logging.WARNING, logger="pstrain.planner.memory_estimate"):
+        limit: int | None = loop.limit
+        while limit is not None:  # every trial uses the whole limit: over the target each time
+            limits.append(limit)
+            limit = loop.next_limit(Probe(64, limit, 0, limit_bytes=limit))
+    assert limits == [110, 120, 130] and loop.limit == 130
+    assert [r.getMessage() for r in caplog.records] == [
+        "iterative memory estimate: 3 trials ran out at utilisation 100% of 130 B, over the target 50%; "
+        "accepting 130 B (raise memory.increment or lower memory.target_utilization)"
+    ]
 
 
 # ------------------------------------------------------------------ job planning and LR

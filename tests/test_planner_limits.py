@@ -8,9 +8,20 @@ from dataclasses import replace
 import pytest
 import torch
 
+from examples import ctr
 from pstrain.coordinator.config import parse_config
+from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.model_state import ModelState
-from pstrain.coordinator.planning import describe, plan_job, planning_gpu
+from pstrain.coordinator.planning import (
+    SLOT_INDEX_BYTES_PER_ROW,
+    describe,
+    memory_max,
+    plan_job,
+    planning_gpu,
+    ps_bytes,
+    table_bytes_per_shard,
+)
+from pstrain.launcher.cli import main as cli_main
 from pstrain.planner.memory_plan import MemoryBudget, batch_limits, largest_model, max_batch, plan_for_batch
 from pstrain.planner.profiler import LayerProfile, ModelProfile
 from tests.helpers import REPO_ROOT, child_env, classification_set, write_job
@@ -177,3 +188,74 @@ def test_whole_layer_offload_shares_the_hosts_buffers_across_its_devices():
     plain = replace(offload, device_bytes=10**12, offload_params=False)
     assert plan.host_bytes < plan_for_batch(profile, 1, plain).host_bytes
     assert max_batch(profile, replace(offload, host_bytes=int(2.1 * profile.param_bytes)), allow_swap=True) > 0
+
+
+# ------------------------------------------------------------------ review fixes: PS tables, swap + auto, bad input
+
+
+def test_ps_memory_counts_the_sparse_table_rows_each_shard_owns():
+    sizes = {"users": 1001, "items": 500, "contexts": 7}
+    raw = {
+        "model": {"factory": "examples.ctr:dlrm", "kwargs": {**sizes, "dim": 8, "hidden": 8}},
+        "data": {"factory": "examples.ctr:train_set", "kwargs": {"samples": 64, **sizes, "seed": 0}},
+        "cluster": {"ps_shards": 3, "workers": 1, "devices_per_worker": ["cpu"]},
+        "embeddings": {
+            "user": {"rows": 1001, "dim": 8, "optimizer": "adagrad"},
+            "item": {"rows": 500, "dim": 8, "optimizer": "adam"},
+            "ctx": {"rows": 7, "dim": 8},  # sgd: no state
+        },
+    }
+    cfg = parse_config(raw)
+    model = ModelState(cfg)
+    dense = ps_bytes(parse_config({**raw, "embeddings": {}}), model.layout.total)
+    # shard 0 owns ceil(rows / 3) of each table (ids dealt by id % 3); a row: values, optimizer state, id + index
+    row = SLOT_INDEX_BYTES_PER_ROW
+    tables = 334 * (8 * 4 * 2 + row) + 167 * (8 * 4 * 3 + 4 + row) + 3 * (8 * 4 + row)
+    assert table_bytes_per_shard(cfg) == tables
+    plan = plan_job(cfg, model.model, ctr.train_set(samples=64, **sizes, seed=0), model.layout.total)
+    assert plan.ps_bytes_per_shard == dense + tables and plan.ps_table_bytes_per_shard == tables
+    assert memory_max(cfg, plan, model.layout.total)["ps_bytes"] >= tables  # the PS's MemoryMax too
+    assert f"(sparse tables up to {tables / 1024:.1f} KiB of it, once every row is touched)" in describe(plan)
+
+
+def test_swap_policy_with_an_auto_batch_sizes_the_batch_for_the_all_swap_plan_the_workers_get():
+    memory = {"device_memory": "1MiB", "host_memory": "640KiB", "bandwidth": "10GB/s"}
+    greedy = job_plan(samples=10**6, batch={"per_device": "auto", "lr_scaling": "none"}, memory=memory)
+    swap = job_plan(
+        samples=10**6, batch={"per_device": "auto", "lr_scaling": "none"}, memory={**memory, "policy": "swap"}
+    )
+    assert swap.memory is not None and greedy.memory is not None
+    assert set(swap.memory.policies().values()) == {"swap"}  # every layer that saves anything is swapped
+    assert swap.memory.fits and swap.plan.per_device_batch < greedy.plan.per_device_batch
+    assert swap.batch_reason.startswith("host memory binds with every layer swapped (memory.policy: swap)")
+    assert swap.limits is not None and swap.plan.per_device_batch == swap.limits.both
+    profile, budget = swap.profile, swap.memory.budget
+    assert profile is not None
+    bigger = plan_for_batch(profile, swap.plan.per_device_batch + 1, budget, swap_all=True)
+    assert not bigger.fits  # the largest batch that fits with every layer swapped
+
+
+def test_a_training_set_smaller_than_the_devices_is_a_config_error():
+    with pytest.raises(
+        ConfigError, match=r"^cluster\.workers: the training set has 3 sample\(s\), fewer than the job's 4"
+    ):
+        job_plan(samples=3, batch={"per_device": 1})
+    assert job_plan(samples=4, batch={"per_device": 1}).plan.global_batch == 4  # one sample per device is fine
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--network-bandwidth", "0", "--network-bandwidth: must be positive, got '0'"),
+        ("--network-bandwidth", "fast", "--network-bandwidth: cannot read 'fast' as a size"),
+        ("--device-memory", "1e400", "--device-memory: '1e400' is too large: not a finite number of bytes"),
+        ("--host-memory", "1e999GiB", "--host-memory: '1e999GiB' is too large"),
+        ("--device-memory", "0", "--device-memory: must be positive, got '0'"),
+        ("--bandwidth", "12 parsecs", "--bandwidth: cannot read '12 parsecs' as a size"),
+    ],
+)
+def test_pstrain_plan_refuses_a_bad_flag_with_a_message_and_exit_2(tmp_path, capsys, flag, value, message):
+    job = write_job(tmp_path / "job.yaml")
+    assert cli_main(["plan", "--config", str(job), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pstrain plan: {message}") and "Traceback" not in err

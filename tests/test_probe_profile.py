@@ -11,19 +11,25 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 
 from pstrain.coordinator.config import parse_config
+from pstrain.coordinator.data_shards import DataShardTracker
+from pstrain.coordinator.errors import InvalidRequest
+from pstrain.coordinator.job import Job, JobState
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import job_spec
 from pstrain.coordinator.planning import plan_job, probe_setup
 from pstrain.coordinator.probe import ProbeSession
-from pstrain.coordinator.service import _probe_report
+from pstrain.coordinator.service import CoordinatorServicer, _probe_report
 from pstrain.planner.memory_estimate import Probe
 from pstrain.planner.profile_wire import profile_from_pb, profile_to_pb
 from pstrain.planner.profiler import ModelProfile
 from pstrain.protos import pstrain_pb2 as pb
+from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.transport import open_channel, start_server
 from pstrain.worker.probe import device_profile
 from tests.helpers import classification_set, pids_with_marker, run_local, write_job
 
@@ -180,3 +186,86 @@ def test_a_probing_job_re_plans_from_the_masters_profile(tmp_path):
     log = (tmp_path / "out" / "logs" / "coordinator.log").read_text()
     assert "memory plan re-made from the cpu on worker 0 (probe) profile" in log
     assert not pids_with_marker(marker)
+
+
+def _bad_profiles(profile: ModelProfile) -> dict[str, tuple[ModelProfile, str]]:
+    """Malformed device profiles (a worker built from another proto, a bug) and what the refusal says."""
+    first = profile.layers[0]
+    renamed = tuple(replace(la, name=f"no_such_layer_{i}") for i, la in enumerate(profile.layers))
+    return {
+        "batch 0": (replace(profile, batch=0), "batch must be at least 1, got 0"),
+        "no layers": (replace(profile, layers=()), "it has no layers"),
+        "unknown layers": (replace(profile, layers=renamed), r"unknown: \['no_such_layer_0'"),
+        "a layer missing": (replace(profile, layers=profile.layers[1:]), r"missing: \['0'\]"),
+        "a repeated layer": (replace(profile, layers=(first, *profile.layers)), r"layer names repeat: \['0'\]"),
+        "NaN time": (
+            replace(profile, layers=(replace(first, forward_s=float("nan")), *profile.layers[1:])),
+            "layer '0': forward_s must be a finite non-negative number, got nan",
+        ),
+        "negative bytes": (
+            replace(profile, layers=(replace(first, saved_bytes_per_sample=-1.0), *profile.layers[1:])),
+            "layer '0': saved_bytes_per_sample must be a finite non-negative number",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["batch 0", "no layers", "unknown layers", "a layer missing", "a repeated layer", "NaN time", "negative bytes"],
+)
+def test_a_malformed_device_profile_is_refused_and_changes_nothing(case):
+    _, job_plan, setup = setup_for(TIGHT)
+    _, _, fresh_setup = setup_for(TIGHT)
+    assert setup is not None and fresh_setup is not None and job_plan.profile is not None
+    bad, match = _bad_profiles(replace(job_plan.profile, device="cuda:0"))[case]
+    session = ProbeSession(setup)
+    with pytest.raises(InvalidRequest, match=match):
+        session.judge(Probe(64, 100 * 1024, 10 * MiB, profile=bad))
+    assert session.profile_source == "" and session.policies == fresh_setup.policies
+    # the next report is judged exactly as if the bad one had never come: same shrink, same plan, same profile
+    judged = session.judge(Probe(64, 10 * MiB, 10 * MiB))
+    expected = ProbeSession(fresh_setup).judge(Probe(64, 10 * MiB, 10 * MiB))
+    assert judged.replanned is not None and expected.replanned is not None
+    assert (judged.message, judged.replanned[1]) == (expected.message, expected.replanned[1])
+    assert judged.replanned[1].memory_profile == ""  # still the coordinator's own profile
+
+
+def test_a_malformed_device_profile_is_invalid_argument_over_grpc_and_the_job_keeps_probing(tmp_path):
+    cfg = parse_config({**RAW, "memory": TIGHT})
+    model = ModelState(cfg)
+    job_plan = plan_job(cfg, model.model, classification_set(4096, inputs=64), model.layout.total)
+    assert job_plan.profile is not None
+
+    def spec_for(plan, policies):
+        return job_spec(cfg, plan, model.layout, "job", policies)
+
+    spec = spec_for(job_plan.plan, job_plan.layer_policies())
+    job = Job(
+        "job", job_plan.plan, spec, model, DataShardTracker(4096, 64, True, 0), tmp_path, lambda a, v: None, 30.0,
+        probe=probe_setup(cfg, job_plan, spec_for),
+    )  # fmt: skip
+    for shard in range(cfg.cluster.ps_shards):
+        job.register_ps(shard, f"127.0.0.1:{5000 + shard}")
+        job.ps_ready(shard)
+    assert job.register_worker("127.0.0.1:6000", [], "h") == 0 and job.state == JobState.PROBING
+    server = start_server(
+        "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
+    )
+    channel = open_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = pb_grpc.CoordinatorStub(channel)
+        bad = profile_to_pb(replace(job_plan.profile, batch=0, device="cuda:0"))
+        report = pb.ProbeReport(
+            worker_id=0, per_device_batch=64, device_peak_bytes=100 * 1024, host_peak_bytes=10 * MiB, profile=bad
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ReportProbe(report, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "cuda:0 profile: batch must be at least 1, got 0" in refused.value.details()
+        assert job.state == JobState.PROBING and job.spec == spec
+        report.ClearField("profile")
+        verdict = stub.ReportProbe(report, timeout=30)  # a well-formed report is judged as ever
+        assert verdict.done and verdict.job.per_device_batch == 64
+    finally:
+        channel.close()
+        server.stop(0)
