@@ -93,7 +93,12 @@ def dtype_name(wire: int) -> str:
 
 
 def _byte_view(tensor: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
+    """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy).
+
+    A negative view (``torch._neg_view``, what some autograd formulas return) keeps its sign in a bit, not in its
+    memory, so its bytes are not its values: ``_Slicing`` resolves one first; a destination that is one is refused."""
+    if tensor.is_neg() or tensor.is_conj():
+        raise CodecError("a negative or conjugate view's memory is not its values: pass tensor.resolve_neg()")
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return np.empty(0, dtype=np.uint8)
@@ -117,7 +122,7 @@ class _Slicing:
         if chunk_bytes <= 0:
             raise CodecError(f"chunk_bytes must be positive, got {chunk_bytes}")
         wire = wire_dtype(tensor.dtype)
-        tensor = tensor.contiguous()
+        tensor = tensor.resolve_neg().contiguous()  # a negative view's values, in memory (a copy only then)
         item = tensor.element_size()
         step = max(1, chunk_bytes // item) * item
         return cls(wire, item, list(tensor.shape), _byte_view(tensor).data, step)
@@ -246,7 +251,7 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+def _read_varint(buf: bytes, pos: int, end: int, message: str = "message") -> tuple[int, int]:
     result = shift = 0
     while pos < end:
         byte = buf[pos]
@@ -257,33 +262,53 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
         shift += 7
         if shift > 63:
             break
-    raise CodecError("malformed message: a varint runs past its end")
+    raise CodecError(f"malformed {message}: a varint runs past its end")
 
 
 def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, wire type, value or start, end) for each field of ``buf[pos:end]``."""
+def _fields(buf: bytes, pos: int, end: int, message: str, most: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, value or start, end) for each field of ``buf[pos:end]``, a ``message``.
+
+    At most ``most`` fields: these messages are parsed in Python, on a PS shard's event loop and before the caller's
+    credential is checked, so what one message may cost is bounded by what its schema holds, not by its size (a
+    message of a million tiny unknown fields is refused at the field past ``most``, not walked to its end). An
+    unknown field is skipped whole, never looked into."""
+    count = 0
     while pos < end:
-        tag, pos = _read_varint(buf, pos, end)
+        count += 1
+        if count > most:
+            raise CodecError(f"malformed {message}: more than {most} fields (its schema has fewer)")
+        tag, pos = _read_varint(buf, pos, end, message)
         number, wire = tag >> 3, tag & 7
         if wire == _VARINT:
-            value, pos = _read_varint(buf, pos, end)
+            value, pos = _read_varint(buf, pos, end, message)
             yield number, wire, value, pos
         elif wire == _LEN:
-            size, pos = _read_varint(buf, pos, end)
+            size, pos = _read_varint(buf, pos, end, message)
             if pos + size > end:
-                raise CodecError("malformed message: a field runs past its end")
+                raise CodecError(f"malformed {message}: a field runs past its end")
             yield number, wire, pos, pos + size
             pos += size
         elif wire in (_I64, _I32):
             pos += 8 if wire == _I64 else 4
             if pos > end:
-                raise CodecError("malformed message: a field runs past its end")
+                raise CodecError(f"malformed {message}: a field runs past its end")
         else:
-            raise CodecError(f"malformed message: wire type {wire}")
+            raise CodecError(f"malformed {message}: wire type {wire}")
+
+
+MAX_DIMS = 32
+"""The most dimensions a chunk's shape may have (torch allows 64; no parameter of a model has more than a few)."""
+_VARINT_BYTES = 10  # the longest varint: a negative int64
+# The fields a message may hold: its schema's, each once, and a few unknown ones (a newer peer's, skipped). A
+# TensorChunk has 5, its shape one more for each dimension sent unpacked (proto3 parsers accept both encodings).
+_UNKNOWN_FIELDS = 4
+_CHUNK_FIELDS = 5 + MAX_DIMS + _UNKNOWN_FIELDS
+_PUSH_FIELDS = 2 + _UNKNOWN_FIELDS  # PushRequest: header, chunk (a oneof: one in practice; the last one wins)
+_PULL_FIELDS = 3 + _UNKNOWN_FIELDS  # PullReply: version, chunk, board_slot
 
 
 @dataclass(frozen=True)
@@ -297,20 +322,32 @@ class ChunkView:
     data: memoryview
 
 
+def _packed_shape(buf: bytes, a: int, b: int, shape: list[int]) -> None:
+    """Append a packed run of dimensions to ``shape``, refused before it is read if it cannot hold few enough."""
+    if b - a > (MAX_DIMS - len(shape)) * _VARINT_BYTES:
+        raise CodecError(f"malformed TensorChunk: a shape of more than {MAX_DIMS} dimensions")
+    while a < b:
+        value, a = _read_varint(buf, a, b, "TensorChunk")
+        shape.append(_signed64(value))
+    if len(shape) > MAX_DIMS:
+        raise CodecError(f"malformed TensorChunk: a shape of more than {MAX_DIMS} dimensions")
+
+
 def _chunk_view(buf: bytes, view: memoryview, pos: int, end: int) -> ChunkView:
-    name, dtype, offset, shape = "", 0, 0, []
+    name, dtype, offset = "", 0, 0
+    shape: list[int] = []
     data = view[0:0]
-    for number, wire, a, b in _fields(buf, pos, end):
+    for number, wire, a, b in _fields(buf, pos, end, "TensorChunk", _CHUNK_FIELDS):
         if number == 1 and wire == _LEN:
             name = buf[a:b].decode("utf-8", errors="replace")
         elif number == 2 and wire == _VARINT:
             dtype = _signed64(a)
         elif number == 3 and wire == _LEN:  # packed
-            while a < b:
-                value, a = _read_varint(buf, a, b)
-                shape.append(_signed64(value))
+            _packed_shape(buf, a, b, shape)
         elif number == 3 and wire == _VARINT:
             shape.append(_signed64(a))
+            if len(shape) > MAX_DIMS:
+                raise CodecError(f"malformed TensorChunk: a shape of more than {MAX_DIMS} dimensions")
         elif number == 4 and wire == _VARINT:
             offset = _signed64(a)
         elif number == 5 and wire == _LEN:
@@ -327,10 +364,13 @@ class PushPart:
 
 
 def decode_push_request(raw: bytes) -> PushPart:
-    """Parse a ``PushRequest`` without copying its payload; raises ``CodecError`` if malformed."""
+    """Parse a ``PushRequest`` without copying its payload; raises ``CodecError`` if malformed.
+
+    Its cost is bounded by what the schema holds (``_fields``, ``MAX_DIMS``), whatever the message's size: it runs
+    as the Push method's deserializer, before the caller's credential is checked."""
     view = memoryview(raw)
     part = PushPart()
-    for number, wire, a, b in _fields(raw, 0, len(raw)):
+    for number, wire, a, b in _fields(raw, 0, len(raw), "PushRequest", _PUSH_FIELDS):
         if number == 1 and wire == _LEN:
             try:
                 part = PushPart(header=pb.PushHeader.FromString(raw[a:b]))
@@ -353,7 +393,7 @@ def decode_pull_reply(raw: bytes) -> PullPart:
     """Parse a ``PullReply`` without copying its payload; raises ``CodecError`` if malformed."""
     view = memoryview(raw)
     version, chunk = 0, None
-    for number, wire, a, b in _fields(raw, 0, len(raw)):
+    for number, wire, a, b in _fields(raw, 0, len(raw), "PullReply", _PULL_FIELDS):
         if number == 1 and wire == _VARINT:
             version = _signed64(a)
         elif number == _CHUNK_FIELD and wire == _LEN:

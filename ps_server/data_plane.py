@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -34,7 +36,7 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos.codec import EncodedReplies, PushPart, TensorAssembler, torch_dtype
 from pstrain.ps_server import metrics
 from pstrain.ps_server.bulk import BulkSocket, BulkSockets
-from pstrain.ps_server.errors import InvalidArgument, NotReady
+from pstrain.ps_server.errors import InvalidArgument, NotReady, PayloadTimeout
 from pstrain.ps_server.pieces import PiecedShard, as_pieced
 from pstrain.ps_server.shard import ParameterShard, PushResult
 from pstrain.ps_server.shm import RegionPair, SharedRegions
@@ -42,6 +44,9 @@ from pstrain.ps_server.versions import StagingPool, VersionFollower, VersionMark
 from pstrain.runtime.bulk_socket import MIN_TIMEOUT_S
 
 PUSHES_STAGED = 8  # pushes receiving at once, each into a shard-sized buffer; the rest wait unread
+# A worker's client sends a shard at most two pieces at once in the common case (``runtime.ps_client``: a push pool of
+# two threads per shard, pieces spread over the shards); fewer staging slots than that would slow its step.
+PUSHES_PER_WORKER_MIN = 2
 BULK_TIMEOUT_S = 600.0  # a bulk push's transfer, before pstrain-ps sets the job's transport.push_timeout_s
 # Bulk payloads moving at once (each a blocking send, or a receive and then the shard's push); more wait their turn.
 BULK_IO_THREADS = 16
@@ -49,6 +54,8 @@ BULK_IO_THREADS = 16
 # optimizer's norm exchange): staged pushes alone must never take every bulk thread, or pulls could not be sent.
 assert PUSHES_STAGED < BULK_IO_THREADS
 PULL_AT_THREADS = 2  # replacements reading a held version at once (rare: one per failed worker); more wait
+
+T = TypeVar("T")
 
 Admit = Callable[[], AbstractContextManager[float]]
 """The servicer's admission of one waiting pull: entered for the wait, it gives the seconds the pull may wait."""
@@ -98,6 +105,9 @@ class ShardDataPlane:
         self._versions: dict[int | None, VersionFollower] = {}  # piece start (None: the whole shard) -> its follower
         self._versions_ready = threading.Event()
         self._staging_slots = asyncio.Semaphore(PUSHES_STAGED)  # binds to the server's loop on first use
+        # Slots one worker's pushes may hold at once (``slots_per_worker``): a worker whose pushes stall cannot take
+        # every slot from the others. Made on the loop by a worker's first push; worker ids are checked before.
+        self._worker_slots: dict[int, asyncio.Semaphore] = {}
         self.shared_memory = True  # issue 12: offer colocated workers shared-memory regions (transport.shared_memory)
         self._regions: SharedRegions | None = None
         self._marks: dict[int | None, VersionMarks] = {}  # piece start (None: the whole shard) -> shm and bulk marks
@@ -196,14 +206,29 @@ class ShardDataPlane:
             skipping = asyncio.ensure_future(asyncio.to_thread(skip, h.worker_id, h.step, None, h.device_count))
             skipping.add_done_callback(self._moved_by(piece))
             return await skipping
-        await self._staging_slots.acquire()
+        mine = self._slots_of(h.worker_id, shard.workers)
+        await mine.acquire()
+        try:
+            await self._staging_slots.acquire()
+        except BaseException:
+            mine.release()
+            raise
+
+        def release_slots() -> None:
+            self._staging_slots.release()
+            mine.release()
+
         # Held until the push's thread is done (``_when_done``), not only until this call ends: a cancelled call's
         # thread still fills its buffer, and every thread a push holds is one fewer for the bulk pulls.
         try:
             buf = self._pool.acquire(h.numel, torch_dtype(h.dtype))  # h.dtype is the job's push dtype (checked)
         except BaseException:
-            self._staging_slots.release()
+            release_slots()
             raise
+        # What arrives on the stream from here on arrives within the job's push timeout, or the push is refused and
+        # its slot freed: a worker that opens a push and stops sending holds a slot that long at most.
+        limit_s = bounded(time_left(), self.push_timeout_s)
+        received = _Within(limit_s, h.worker_id, self.push_timeout_s)
         pushing: asyncio.Future[PushResult] | None = None
         executor: ThreadPoolExecutor | None = None  # the loop's default
         adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
@@ -217,10 +242,10 @@ class ShardDataPlane:
                     take, lent = functools.partial(regions.view, pair, where), True
                 else:
                     take = functools.partial(regions.take, pair, where, buf)
-                if payload is not None and await anext(payload, None) is not None:
+                if payload is not None and await received(anext(payload, None)) is not None:
                     raise InvalidArgument("a shared-memory push carries its header only")
             elif bulk is not None:  # issue 12: raw bytes on the bulk socket, read straight into the buffer
-                if payload is not None and await anext(payload, None) is not None:
+                if payload is not None and await received(anext(payload, None)) is not None:
                     raise InvalidArgument("a bulk push carries its header only")
                 # Read by the bulk thread that then pushes.
                 take = functools.partial(_received, bulk, buf, bounded(time_left(), self.push_timeout_s))
@@ -229,10 +254,7 @@ class ShardDataPlane:
                 if payload is None:
                     raise InvalidArgument("a push names its transport: chunks, a bulk socket or a push region")
                 assembler = TensorAssembler(buf.dtype, h.numel, out=buf)
-                async for part in payload:
-                    if part.chunk is None:
-                        raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
-                    assembler.add(part.chunk)
+                await received(_assemble(payload, assembler))
                 take = assembler.result
 
             def call() -> PushResult:
@@ -253,12 +275,18 @@ class ShardDataPlane:
             result = await asyncio.shield(pushing)
         finally:
             _when_done(pushing, lambda: self._pool.release(adopted[0] if adopted else buf))
-            _when_done(pushing, self._staging_slots.release)
+            _when_done(pushing, release_slots)
         if result.duplicate:
             return result
         metrics.BYTES_PUSHED.inc(h.numel * buf.element_size())
         _observe_push(started, result)
         return result
+
+    def _slots_of(self, worker_id: int, workers: int) -> asyncio.Semaphore:
+        slots = self._worker_slots.get(worker_id)
+        if slots is None:
+            slots = self._worker_slots[worker_id] = asyncio.Semaphore(slots_per_worker(workers))
+        return slots
 
     async def push_shared(self, h: PushCall) -> PushResult:
         """A colocated worker's push of one piece whose payload is in its push region: one thread hop, in which the
@@ -424,6 +452,43 @@ class ShardDataPlane:
             versions = self._versions[piece] = VersionFollower(source, self.chunk_bytes, asyncio.get_running_loop())
             self._versions_ready.set()
         return versions
+
+
+def slots_per_worker(workers: int) -> int:
+    """The staging slots one worker's pushes may hold at once: its share of ``PUSHES_STAGED`` among the job's
+    ``workers``, and never fewer than its client sends at once in the common case (``PUSHES_PER_WORKER_MIN``).
+
+    A worker past it waits, unread, for one of its own pushes to finish, never for another worker's. Only the pushes
+    whose payload the worker sends while holding the slot count (``push``); a ``PushShared`` holds one only while the
+    shard takes a piece already in its region, which the worker cannot slow."""
+    share = math.ceil(PUSHES_STAGED / max(1, workers))
+    return min(PUSHES_STAGED, max(PUSHES_PER_WORKER_MIN, share))
+
+
+async def _assemble(payload: AsyncIterator[PushPart], assembler: TensorAssembler) -> None:
+    async for part in payload:
+        if part.chunk is None:
+            raise InvalidArgument("a push stream carries one PushHeader followed by chunks only")
+        assembler.add(part.chunk)
+
+
+@dataclass(frozen=True)
+class _Within:
+    """Awaits what a push receives once it holds a staging slot, within the limit; ``PayloadTimeout`` after."""
+
+    limit_s: float
+    worker_id: int
+    push_timeout_s: float
+
+    async def __call__(self, receiving: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(receiving, self.limit_s)
+        except asyncio.TimeoutError:
+            raise PayloadTimeout(
+                f"worker {self.worker_id}'s push payload did not arrive within {self.limit_s:.1f} s of its staging "
+                f"slot (transport.push_timeout_s is {self.push_timeout_s:g} s, or the call's deadline came first); "
+                "the slot is free again: send the whole payload, then close the stream"
+            ) from None
 
 
 def _when_done(work: asyncio.Future[PushResult] | None, release: Callable[[], object]) -> None:

@@ -23,3 +23,7 @@ class NotReady(PsError):
 
 class WaitTimeout(PsError):
     """A pull waited for a version that did not appear before its deadline."""
+
+
+class PayloadTimeout(PsError):
+    """A push held a staging slot and its payload did not arrive within the job's push timeout."""

@@ -26,7 +26,14 @@ from pstrain.ps_server import metrics
 from pstrain.ps_server.admission import ShardGate
 from pstrain.ps_server.bulk import BulkRefused, BulkSocket, BulkSockets, StaleBulk
 from pstrain.ps_server.data_plane import Admit, PullCall, PushCall, ShardDataPlane
-from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.errors import (
+    InvalidArgument,
+    NotReady,
+    PayloadTimeout,
+    StepConflict,
+    UnknownWorker,
+    WaitTimeout,
+)
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.shard import ParameterShard, PushResult
 from pstrain.ps_server.shm import NotColocated, SharedRegions, StaleRegion
@@ -43,6 +50,7 @@ translate = abort_on_errors(
         StepConflict: grpc.StatusCode.FAILED_PRECONDITION,
         NotReady: grpc.StatusCode.UNAVAILABLE,
         WaitTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+        PayloadTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
         PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
         Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
         NotColocated: grpc.StatusCode.FAILED_PRECONDITION,
@@ -388,7 +396,8 @@ def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Ser
 
     The generated ``add_ParameterServerServicer_to_server`` would parse and build protobuf
     objects; these handlers take Push messages apart in place and send Pull replies as the
-    bytes ``EncodedReplies`` made. The wire format is the same.
+    bytes ``EncodedReplies`` made. The wire format is the same. Registered through ``start_server``,
+    a request that does not parse is refused as INVALID_ARGUMENT (``runtime.transport.tolerant``).
     """
     handlers = {
         "Push": grpc.stream_unary_rpc_method_handler(
@@ -444,6 +453,6 @@ def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Ser
             response_serializer=pb.Empty.SerializeToString,
         ),
     }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(full_service_name("ParameterServer"), handlers),)
-    )
+    name = full_service_name("ParameterServer")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)  # looked up by gRPC's core, as the generated adders do

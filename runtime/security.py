@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,21 +71,33 @@ class TransportSecurity:
         token_file: str | None = None,
         env: dict[str, str] | None = None,
     ) -> TransportSecurity:
-        """Read the files; the token comes from ``token_file``, else the PSTRAIN_TOKEN variable."""
+        """Read the files; the token comes from ``token_file``, else the PSTRAIN_TOKEN variable (both stripped).
+
+        The TLS files are checked here (``check_tls_files``), so that a wrong one is a ``SecurityError`` naming it
+        (exit 2, no restart) rather than gRPC's "Failed to bind" at the first server, or a server that starts and
+        refuses every peer."""
         paths = {"--tls-ca": ca, "--tls-cert": cert, "--tls-key": key}
         given = {flag for flag, path in paths.items() if path}
         if given and given != set(paths):
             missing = ", ".join(sorted(set(paths) - given))
             raise SecurityError(f"mutual TLS needs --tls-ca, --tls-cert and --tls-key together; missing {missing}")
         pems = {flag: _read(path, flag) for flag, path in paths.items() if path}
+        files = (ca, cert, key) if ca and cert and key else None
+        if files is not None:
+            check_tls_files(*files)
         token = None
         if token_file:
             token = _read(token_file, "--token-file").decode().strip()
+            if not token:
+                raise SecurityError(f"--token-file: the token in {token_file} is empty")
         else:
-            token = (env if env is not None else os.environ).get(TOKEN_ENV) or None
-        if token is not None and not token:
-            raise SecurityError(f"the token in {token_file} is empty")
-        files = (ca, cert, key) if ca and cert and key else None
+            variable = (env if env is not None else os.environ).get(TOKEN_ENV)
+            if variable is not None:  # set: it is the token, stripped as a file's is; an empty one is a mistake
+                token = variable.strip()
+                if not token:
+                    raise SecurityError(
+                        f"${TOKEN_ENV} is set but empty: set it to the token, or unset it to run without one"
+                    )
         return cls(pems.get("--tls-ca"), pems.get("--tls-cert"), pems.get("--tls-key"), token, files)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
@@ -118,6 +131,70 @@ def _read(path: str, flag: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise SecurityError(f"{flag}: cannot read {path}: {exc.strerror}") from exc
+
+
+def check_tls_files(ca: str, cert: str, key: str) -> None:
+    """``SecurityError`` naming the file unless ``cert`` holds a certificate, ``key`` its private key, ``ca`` a CA, and
+    the CA signs ``cert`` for the two uses it is put to (a server's and a client's, each side of mutual TLS)."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for flag, path in (("--tls-ca", ca), ("--tls-cert", cert)):
+        try:
+            probe.load_verify_locations(cafile=path)
+        except ssl.SSLError as exc:
+            raise SecurityError(f"{flag}: {path} holds no PEM certificate ({_ssl_reason(exc)})") from None
+    server, client = _tls_context(ca, cert, key, ssl.PROTOCOL_TLS_SERVER), _tls_context(ca, cert, key)
+    try:
+        _handshake(server, client)
+    except ssl.SSLCertVerificationError as exc:
+        raise SecurityError(
+            f"--tls-cert: {cert} does not verify against the CA in --tls-ca {ca} ({exc.verify_message}): "
+            "pass the CA that signed it, or a certificate it signed"
+        ) from None
+    except ssl.SSLError as exc:
+        raise SecurityError(f"--tls-cert {cert} with --tls-key {key}: mutual TLS fails ({_ssl_reason(exc)})") from None
+
+
+def _tls_context(ca: str, cert: str, key: str, protocol: int = ssl.PROTOCOL_TLS_CLIENT) -> ssl.SSLContext:
+    """A context as gRPC makes one from the files: this process's pair, demanding a peer the CA signed."""
+
+    def no_password() -> str:
+        raise SecurityError(f"--tls-key: {key} is encrypted; gRPC needs the key without a passphrase")
+
+    context = ssl.SSLContext(protocol)
+    context.check_hostname = False  # peers are dialled by address; the chain is what is checked here
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")  # whether the files fit together, not Python's policy on key sizes
+    context.load_verify_locations(cafile=ca)
+    try:
+        context.load_cert_chain(cert, key, password=no_password)
+    except ssl.SSLError as exc:
+        raise SecurityError(
+            f"--tls-key: {key} is not the private key of --tls-cert {cert} ({_ssl_reason(exc)}): pass the key made "
+            "with that certificate"
+        ) from None
+    return context
+
+
+def _handshake(server_context: ssl.SSLContext, client_context: ssl.SSLContext) -> None:
+    """A mutual TLS handshake in memory between two contexts: each verifies the other's certificate (this one's)."""
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_context.wrap_bio(to_server, to_client, server_side=True)
+    client = client_context.wrap_bio(to_client, to_server, server_side=False)
+    pending = {server, client}
+    for _ in range(16):  # a TLS 1.3 handshake takes 2 round trips; a few more leave room for any other
+        for side in list(pending):
+            try:
+                side.do_handshake()
+                pending.discard(side)
+            except ssl.SSLWantReadError:
+                pass
+        if not pending:
+            return
+    raise ssl.SSLError("the handshake did not complete")
+
+
+def _ssl_reason(exc: ssl.SSLError) -> str:
+    return exc.reason or exc.strerror or str(exc)
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:

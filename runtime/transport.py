@@ -12,12 +12,14 @@ pool as before. Callers see the same ``ServingServer`` either way.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import gc
 import inspect
 import logging
+import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -60,6 +62,32 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 # Deadlines for the short control RPCs; data RPCs take theirs from the job spec.
 CONTROL_TIMEOUT_S = 30.0
+
+
+class BindError(OSError):
+    """A server could not listen on its address: not this host's, or (with TLS) gRPC refused the certificate and
+    key (``security.check_tls_files`` catches what it can before). Settings that cannot work: exit 2."""
+
+
+class PortInUse(BindError):
+    """Another process holds the port: often one that is still stopping (a restart), so worth starting again
+    later (exit 1, which systemd restarts), unlike the other ``BindError`` s."""
+
+
+def _port_in_use(address: str) -> bool:
+    """Whether binding ``address`` fails because the port is taken (gRPC's own error does not say why)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            probe.bind((host if host not in ("", "*") else "", int(port)))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    except ValueError:  # not host:port (a unix: address, say)
+        return False
+    return False
 
 
 def full_service_name(short: str) -> str:
@@ -132,8 +160,9 @@ def start_server(
 ) -> ServingServer:
     """Bind ``address`` (port 0 picks a free one), add servicers, health and reflection, start.
 
-    ``register`` holds ``(add_XServicer_to_server, servicer)`` pairs. Health starts as
-    NOT_SERVING: each service flips it once it is really ready. With ``security`` the port
+    ``register`` holds ``(add_XServicer_to_server, servicer)`` pairs; each is handed the server through
+    ``TolerantRegistrar``, so a malformed request reaches an ``abort_on_errors`` handler as ``Malformed``.
+    Health starts as NOT_SERVING: each service flips it once it is really ready. With ``security`` the port
     demands mutual TLS and/or the bearer token (health stays open). ``aio`` makes an asyncio
     server (see the module docstring); ``max_workers`` sizes the pool for plain handlers.
     """
@@ -143,13 +172,22 @@ def start_server(
 
     def build(server: Any) -> int:
         for add, servicer in register:
-            add(servicer, server)  # type: ignore[operator]
+            add(servicer, TolerantRegistrar(server))  # type: ignore[operator]
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         credentials = security.server_credentials()
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        cause: RuntimeError | None = None
+        try:
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError as exc:  # gRPC's "Failed to bind to address"
+            port, cause = 0, exc
         if port == 0:
-            raise OSError(f"cannot bind {address}")
+            if _port_in_use(address):
+                raise PortInUse(f"cannot listen on {address}: another process holds the port") from cause
+            tls = " or gRPC refused the TLS certificate and key (its log line above says which)" if credentials else ""
+            raise BindError(
+                f"cannot listen on {address}: the host has no such address{tls}; pass another --bind"
+            ) from cause
         return int(port)
 
     if aio:
@@ -236,13 +274,136 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
 
+# ---------------------------------------------------------------------- malformed requests
+#
+# gRPC calls a method's request deserializer before its handler; one that raises (protobuf's DecodeError on bytes that
+# are not the message) makes gRPC answer UNKNOWN (asyncio server) or INTERNAL (thread-pool server) with a traceback
+# in the log, past the refusal count and its rate limit. So every handler that ``abort_on_errors`` wraps is registered
+# with a deserializer that never raises (``tolerant``): it hands over ``Malformed``, which the wrapper refuses as
+# INVALID_ARGUMENT through ``note_refusal``, like any other refusal. A malformed message is refused before the caller's
+# credential is checked: the credential's member id is a field of the message.
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request message that did not parse, as a tolerant deserializer hands it to the handler."""
+
+    reason: str
+
+
+class MalformedRequest(Exception):
+    """A request, or a message of a request stream, that did not parse: INVALID_ARGUMENT wherever it is raised."""
+
+
+def tolerant(deserialize: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    """``deserialize`` that returns ``Malformed`` instead of raising; the reason names the message type."""
+    message_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    name = message_type.name if message_type is not None else f"{method} request"
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:
+            reason = str(exc) if str(exc).startswith("malformed ") else f"malformed {name}: {exc}"
+            return Malformed(f"{reason} (send the message pstrain.proto defines for {method})")
+
+    return parse
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def tolerant_handler(handler: grpc.RpcMethodHandler | None, method: str) -> grpc.RpcMethodHandler | None:
+    """``handler`` with a ``tolerant`` request deserializer, if its behaviour refuses ``Malformed``
+    (``abort_on_errors``); any other handler is left as it is (it would be handed a ``Malformed`` it cannot read)."""
+    if handler is None or handler.request_deserializer is None:
+        return handler
+    attribute, make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    behaviour = getattr(handler, attribute)
+    if not getattr(behaviour, "refuses_malformed", False):
+        return handler
+    short = method.rsplit("/", 1)[-1]
+    return make(
+        behaviour,
+        request_deserializer=tolerant(handler.request_deserializer, short),
+        response_serializer=handler.response_serializer,
+    )
+
+
+class _TolerantGeneric(grpc.GenericRpcHandler):
+    """A generic handler whose handlers get ``tolerant`` deserializers (made once per method)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        self._made: dict[str, grpc.RpcMethodHandler | None] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        try:
+            return self._made[method]
+        except KeyError:
+            made = self._made[method] = tolerant_handler(self._inner.service(handler_call_details), method)
+            return made
+
+
+class TolerantRegistrar:
+    """The server as ``start_server`` hands it to each ``add_...`` function (generated or ours): the handlers they
+    register get ``tolerant`` request deserializers (``tolerant_handler``); everything else goes to the server."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_TolerantGeneric(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        made = {name: tolerant_handler(h, f"/{service}/{name}") for name, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, made)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+def _parsed(request: Any) -> Any:
+    """A handler's request, refused if it did not parse; a request stream, refused at its first message that did not."""
+    if isinstance(request, Malformed):
+        raise MalformedRequest(request.reason)
+    if isinstance(request, Iterator):
+        return _parsed_stream(request)
+    if isinstance(request, AsyncIterator):
+        return _parsed_async_stream(request)
+    return request
+
+
+def _parsed_stream(requests: Iterator[Any]) -> Iterator[Any]:
+    for request in requests:
+        if isinstance(request, Malformed):
+            raise MalformedRequest(request.reason)
+        yield request
+
+
+async def _parsed_async_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, Malformed):
+            raise MalformedRequest(request.reason)
+        yield request
+
+
 def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: ignore[no-untyped-def]
     """Decorator factory: run a servicer method, turning a package's errors into status codes.
 
     Each package passes its own hierarchy, so the error -> status mapping lives in one place
     per service and handlers stay free of try/except boilerplate. Works for unary and
-    server-streaming handlers alike, plain or ``async`` (an asyncio server's).
+    server-streaming handlers alike, plain or ``async`` (an asyncio server's). A request that did
+    not parse (``Malformed``, from the ``tolerant`` deserializer ``start_server`` registers) is
+    INVALID_ARGUMENT before the method runs; one message of a request stream, when the method reads it.
     """
+    mapping = {MalformedRequest: grpc.StatusCode.INVALID_ARGUMENT, **mapping}
 
     def lookup(exc: Exception) -> grpc.StatusCode | None:
         for cls in type(exc).__mro__:
@@ -264,7 +425,7 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
             @functools.wraps(method)
             async def async_stream_wrapper(self, request, context):  # type: ignore[no-untyped-def]
                 try:
-                    async for item in method(self, request, context):
+                    async for item in method(self, _parsed(request), context):
                         yield item
                 except Exception as exc:
                     code = lookup(exc)
@@ -272,6 +433,7 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
                         raise
                     await refuse_async(context, code, method.__name__, exc)
 
+            async_stream_wrapper.refuses_malformed = True  # type: ignore[attr-defined]
             return async_stream_wrapper
 
         if inspect.iscoroutinefunction(method):
@@ -279,13 +441,14 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
             @functools.wraps(method)
             async def async_unary_wrapper(self, request, context):  # type: ignore[no-untyped-def]
                 try:
-                    return await method(self, request, context)
+                    return await method(self, _parsed(request), context)
                 except Exception as exc:
                     code = lookup(exc)
                     if code is None:
                         raise
                     await refuse_async(context, code, method.__name__, exc)
 
+            async_unary_wrapper.refuses_malformed = True  # type: ignore[attr-defined]
             return async_unary_wrapper
 
         if inspect.isgeneratorfunction(method):
@@ -293,25 +456,27 @@ def abort_on_errors(mapping: dict[type[Exception], grpc.StatusCode]):  # type: i
             @functools.wraps(method)
             def stream_wrapper(self, request, context):  # type: ignore[no-untyped-def]
                 try:
-                    yield from method(self, request, context)
+                    yield from method(self, _parsed(request), context)
                 except Exception as exc:
                     code = lookup(exc)
                     if code is None:
                         raise
                     refuse(context, code, method.__name__, exc)
 
+            stream_wrapper.refuses_malformed = True  # type: ignore[attr-defined]
             return stream_wrapper
 
         @functools.wraps(method)
         def unary_wrapper(self, request, context):  # type: ignore[no-untyped-def]
             try:
-                return method(self, request, context)
+                return method(self, _parsed(request), context)
             except Exception as exc:
                 code = lookup(exc)
                 if code is None:
                     raise
                 refuse(context, code, method.__name__, exc)
 
+        unary_wrapper.refuses_malformed = True  # type: ignore[attr-defined]
         return unary_wrapper
 
     return decorate

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from pstrain.protos import codec
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos.codec import (
     TORCH_TO_WIRE,
@@ -183,3 +184,70 @@ def test_malformed_push_messages_are_codec_errors(raw, message):
 def test_a_pull_reply_without_a_chunk_is_a_codec_error():
     with pytest.raises(CodecError, match="without a chunk"):
         decode_pull_reply(pb.PullReply(version=3).SerializeToString())
+
+
+def _push_of_chunk(chunk_body: bytes) -> bytes:
+    return b"\x12" + _varint(len(chunk_body)) + chunk_body
+
+
+def _varint(value: int) -> bytes:
+    return pb.TensorChunk(offset=value).SerializeToString()[1:]  # field 4's tag, then the varint
+
+
+def _counting_varints(monkeypatch) -> list[int]:
+    """Every varint the decoder reads: its cost, whatever the clock says."""
+    reads = [0]
+    real = codec._read_varint
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        reads[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(codec, "_read_varint", counted)
+    return reads
+
+
+def test_a_huge_packed_shape_is_refused_before_a_dimension_is_read(monkeypatch):
+    """The decoder runs on a PS shard's event loop before the caller's credential is checked: a shape of 8 Mi
+    dimensions (8 MiB of zero bytes) costs a few varint reads, not 8 Mi of them (the loop froze for minutes)."""
+    reads = _counting_varints(monkeypatch)
+    n = 8 << 20
+    raw = _push_of_chunk(b"\x1a" + _varint(n) + b"\x00" * n)
+    with pytest.raises(CodecError, match="more than 32 dimensions"):
+        decode_push_request(raw)
+    assert reads[0] < 10
+
+
+def test_many_tiny_fields_are_refused_at_the_first_past_the_schema(monkeypatch):
+    reads = _counting_varints(monkeypatch)
+    with pytest.raises(CodecError, match="malformed PushRequest: more than"):
+        decode_push_request(b"\x78\x00" * (1 << 20))  # field 15, varint 0, a million times
+    with pytest.raises(CodecError, match="malformed TensorChunk: more than"):
+        decode_push_request(_push_of_chunk(b"\x78\x00" * (1 << 16)))
+    with pytest.raises(CodecError, match="malformed PullReply: more than"):
+        decode_pull_reply(b"\x08\x01" * (1 << 16))
+    assert reads[0] < 300
+
+
+def test_a_shape_of_at_most_32_dimensions_decodes_packed_or_not():
+    shape = [1] * codec.MAX_DIMS
+    packed = pb.PushRequest(chunk=pb.TensorChunk(shape=shape, data=b"ab")).SerializeToString()
+    assert decode_push_request(packed).chunk.shape == tuple(shape)
+    unpacked = b"".join(b"\x18\x01" for _ in shape) + b"\x2a\x02ab"  # field 3 as single varints, then data
+    part = decode_push_request(_push_of_chunk(unpacked))
+    assert part.chunk.shape == tuple(shape) and bytes(part.chunk.data) == b"ab"
+    with pytest.raises(CodecError, match="more than 32 dimensions"):
+        decode_push_request(_push_of_chunk(unpacked + b"\x18\x01"))
+    with pytest.raises(CodecError, match="more than 32 dimensions"):
+        decode_push_request(pb.PushRequest(chunk=pb.TensorChunk(shape=[*shape, 1])).SerializeToString())
+
+
+def test_a_negative_view_travels_as_its_values_and_is_refused_as_a_destination():
+    tensor = torch.arange(5, dtype=torch.float32)._neg_view()
+    assert torch.equal(decode_tensor(encode_chunks(tensor, 8)), -torch.arange(5, dtype=torch.float32))
+    assembler = TensorAssembler(torch.float32, 5)
+    for raw in encode_push_chunks(tensor, 8):
+        assembler.add(decode_push_request(raw).chunk)
+    assert torch.equal(assembler.result(), -torch.arange(5, dtype=torch.float32))
+    with pytest.raises(CodecError, match="resolve_neg"):
+        TensorAssembler(torch.float32, 5, out=torch.zeros(5)._neg_view())

@@ -11,8 +11,15 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos.codec import PushPart, TensorAssembler, decode_pull_reply, decode_push_request, encode_push_chunks
 from pstrain.ps_server.bulk import BulkSocket
-from pstrain.ps_server.data_plane import BULK_IO_THREADS, PUSHES_STAGED, PullCall, PushCall, ShardDataPlane
-from pstrain.ps_server.errors import InvalidArgument, StepConflict, WaitTimeout
+from pstrain.ps_server.data_plane import (
+    BULK_IO_THREADS,
+    PUSHES_STAGED,
+    PullCall,
+    PushCall,
+    ShardDataPlane,
+    slots_per_worker,
+)
+from pstrain.ps_server.errors import InvalidArgument, PayloadTimeout, StepConflict, WaitTimeout
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.ps_server.shm import StaleRegion
@@ -289,3 +296,70 @@ def test_a_cancelled_push_keeps_its_staging_slot_until_its_thread_is_done():
         data_plane.close()
         for s in peers:
             s.close()
+
+
+async def stalled(tensor: torch.Tensor, resume: asyncio.Event) -> AsyncIterator[PushPart]:
+    """A push stream that sends its first chunk and then nothing until ``resume`` (a worker that stopped sending)."""
+    raws = list(encode_push_chunks(tensor, chunk_bytes=12))
+    yield decode_push_request(raws[0])
+    await resume.wait()
+    for raw in raws[1:]:
+        yield decode_push_request(raw)
+
+
+@pytest.mark.parametrize("workers, slots", [(1, PUSHES_STAGED), (2, 4), (3, 3), (4, 2), (8, 2), (100, 2)])
+def test_a_worker_may_hold_its_share_of_the_staging_slots_and_never_fewer_than_its_client_sends(workers, slots):
+    assert slots_per_worker(workers) == slots
+
+
+def test_one_worker_whose_pushes_stall_cannot_take_every_staging_slot():
+    """Worker 0 opens ``PUSHES_STAGED`` pushes and stops sending: it holds its share of the slots (4 of 8 in a job
+    of 2 workers), its other pushes wait for its own, and worker 1's push goes through at once."""
+    data_plane, _ = plane(workers=2)
+    acquired = []
+    real_acquire = data_plane._pool.acquire
+    data_plane._pool.acquire = lambda *args: acquired.append(args) or real_acquire(*args)  # type: ignore[method-assign]
+
+    async def run() -> None:
+        resume = asyncio.Event()
+        stuck = [
+            asyncio.ensure_future(data_plane.push(header(0, 0), None, stalled(torch.ones(NUMEL), resume), lambda: 60))
+            for _ in range(PUSHES_STAGED)
+        ]
+        other = asyncio.ensure_future(data_plane.push(header(1, 0), None, chunks(torch.ones(NUMEL)), lambda: 60))
+        done, _ = await asyncio.wait({other}, timeout=10)
+        assert done, "worker 1's push waited for worker 0's stalled ones"
+        assert not other.result().completed  # worker 0 has not pushed step 0 yet
+        assert len(acquired) == slots_per_worker(2) + 1  # worker 0's other pushes hold no buffer
+        resume.set()  # worker 0 sends the rest: its first push completes the step, the others are duplicates
+        results = await asyncio.wait_for(asyncio.gather(*stuck), timeout=10)
+        assert sum(r.completed for r in results) == 1 and sum(r.duplicate for r in results) == PUSHES_STAGED - 1
+
+    try:
+        asyncio.run(run())
+        assert data_plane.shard.version == 1
+    finally:
+        data_plane.close()
+
+
+def test_a_push_whose_payload_stops_arriving_is_refused_and_frees_its_slot():
+    data_plane, initial = plane()
+    data_plane.push_timeout_s = 0.2  # the job's transport.push_timeout_s
+
+    async def run() -> None:
+        resume = asyncio.Event()
+        with pytest.raises(PayloadTimeout, match="transport.push_timeout_s"):
+            await asyncio.wait_for(
+                data_plane.push(header(0, 0), None, stalled(torch.ones(NUMEL), resume), lambda: 60), timeout=10
+            )
+        assert data_plane._staging_slots._value == PUSHES_STAGED  # freed, and the worker's own slot too
+        for worker in (0, 1):  # the same push, whole, then the other worker's: the step completes
+            await data_plane.push(header(worker, 0), None, chunks(torch.ones(NUMEL)), lambda: 60)
+
+    try:
+        version, params = data_plane.shard.parameters()
+        assert version == 0 and torch.equal(params, initial)  # the refused push changed nothing
+        asyncio.run(run())
+        assert data_plane.shard.version == 1
+    finally:
+        data_plane.close()

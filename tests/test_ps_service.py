@@ -1,5 +1,7 @@
 """The ParameterServer service over real gRPC on 127.0.0.1 ephemeral ports."""
 
+import threading
+
 import grpc
 import pytest
 import torch
@@ -7,14 +9,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import encode_chunks
+from pstrain.protos.codec import encode_chunks, encode_push_chunks, encode_push_header
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
 from pstrain.runtime import shm_board
+from pstrain.runtime.identity import HEADER
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.security import TransportSecurity
 from pstrain.runtime.shard_map import shard_ranges
 from pstrain.runtime.transport import open_channel, start_server
+from tests.helpers import guarded_shard
 
 TOTAL = 11
 SGD = pb.OptimizerSpec(name="sgd", momentum=0.9)
@@ -210,3 +214,70 @@ def test_a_pull_without_the_token_is_refused_and_one_with_it_is_served():
         client.close()
     finally:
         server.stop(0)
+
+
+def test_a_push_that_stops_sending_is_deadline_exceeded_and_frees_its_slot():
+    """A worker that opens a push and stops sending holds a staging slot for the job's push timeout at most; its
+    push is then refused with DEADLINE_EXCEEDED (whatever deadline its own call has) and changes nothing."""
+    servicer = ParameterServerServicer()
+    server = start_server("127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], aio=True)
+    shard = ParameterShard(0, 0, 6, torch.zeros(6), SGD, LR, workers=1)
+    servicer.attach(shard, 8)
+    servicer.push_timeout_s = 0.3  # the job's transport.push_timeout_s
+    address = f"127.0.0.1:{server.port}"
+    resume = threading.Event()
+
+    def stalled():
+        yield pb.PushRequest(header=header())
+        yield pb.PushRequest(chunk=next(iter(encode_chunks(torch.ones(6), 8))))
+        resume.wait(30)
+
+    try:
+        error: grpc.RpcError | None = None
+        with open_channel(address) as channel:
+            try:
+                pb_grpc.ParameterServerStub(channel).Push(stalled(), timeout=60)
+            except grpc.RpcError as refused:
+                error = refused
+            resume.set()  # the client's sending thread ends before its channel closes
+        assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "transport.push_timeout_s" in error.details()
+        assert shard.snapshot().pushes_waiting == 0 and shard.version == 0
+        assert raw_push(address, header(), list(encode_chunks(torch.ones(6), 8))).completed  # the slot is free
+        assert torch.equal(shard.parameters()[1], torch.full((6,), -0.5))  # that push alone moved it
+    finally:
+        resume.set()
+        shard.close()
+        server.stop(0)
+
+
+def _varint(value: int) -> bytes:
+    return pb.TensorChunk(offset=value).SerializeToString()[1:]  # field 4's tag, then the varint
+
+
+HUGE_CHUNKS = {  # a TensorChunk's fields, ~24 MiB of them, built when a test runs
+    "24 Mi packed dimensions": lambda: b"\x1a" + _varint(24 << 20) + bytes(24 << 20),
+    "12 Mi unpacked dimensions": lambda: b"\x18\x00" * (12 << 20),
+    "12 Mi unknown fields": lambda: b"\x78\x00" * (12 << 20),
+}
+
+
+@pytest.mark.parametrize("kind", list(HUGE_CHUNKS))
+def test_a_chunk_of_millions_of_fields_is_refused_at_once_and_a_push_goes_through(kind):
+    """The Push decoder runs on the shard's event loop before the caller's credential is checked: one 24 MiB message
+    of tiny fields froze the loop (every call of every worker) for over a minute. Now it is refused after a bounded
+    number of fields, within a deadline the old decoder could not meet, and the shard goes on serving."""
+    message = HUGE_CHUNKS[kind]()
+    with guarded_shard(6, workers=1) as ps, open_channel(ps.address) as channel:
+        push = channel.stream_unary(
+            "/pstrain.v1.ParameterServer/Push", request_serializer=bytes, response_deserializer=pb.PushReply.FromString
+        )
+        raw = b"\x12" + _varint(len(message)) + message  # PushRequest.chunk, from a caller with no credential
+        with pytest.raises(grpc.RpcError) as err:
+            push(iter([raw]), timeout=20)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "malformed TensorChunk" in err.value.details()
+        assert ps.shard.version == 0 and ps.shard.snapshot().pushes_waiting == 0
+        credential = [(HEADER, ps.keys.mint("worker", 0).encode())]
+        requests = [encode_push_header(header()), *encode_push_chunks(torch.ones(6), 8)]
+        assert push(iter(requests), metadata=credential, timeout=20).completed
