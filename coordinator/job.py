@@ -229,6 +229,7 @@ class Job:
         self.metrics_address = ""  # set by the process that serves the job
         self._clock = clock
         self._cond = threading.Condition(threading.RLock())
+        self._stopping = False  # the process is stopping (``stop_waits``): waiting handlers return at once
         self.membership = Membership(
             job_id, len(self.shard_ranges), plan.workers, plan.devices_per_worker, heartbeat_timeout_s, clock
         )
@@ -671,15 +672,24 @@ class Job:
             log.info("all members ready: %s", self.plan.describe())
         self._cond.notify_all()
 
-    def wait_for_cluster(self, timeout_s: float, worker_id: int = -1) -> ClusterView:
+    def wait_for_cluster(
+        self, timeout_s: float, worker_id: int = -1, active: Callable[[], bool] = lambda: True
+    ) -> ClusterView:
         """Block until every PS shard serves and the spec is final (the probe is done).
 
         Worker 0 is let through while the job is PROBING: it must probe first (``probe``).
+        Ends early (``WrongState``) once the caller is gone (``active()`` false: it cancelled, or the server
+        cancelled the call at the end of its grace period) or the process stops (``stop_waits``): a handler
+        left waiting for the caller's deadline (ten minutes) would hold the coordinator's exit that long.
         """
         deadline = time.monotonic() + timeout_s  # a real wait: the injected clock is for liveness
         with self._cond:
             while True:
                 self._check_not_over()
+                if self._stopping:
+                    raise WrongState("the coordinator is stopping")
+                if not active():
+                    raise WrongState("the caller is gone")
                 probing_master = worker_id == 0 and self.state == JobState.PROBING
                 if self.membership.all_ps_ready() and (self.probe_done or probing_master):
                     break
@@ -1205,7 +1215,14 @@ class Job:
                 checkpoint_step=self.checkpoint_step,
             )
 
+    def stop_waits(self) -> None:
+        """The process is stopping: calls that wait for the cluster return now instead of at their deadline."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
     def close(self) -> None:
+        self.stop_waits()
         self.ledger.close()
         if self.journal is not None:
             self.journal.close()

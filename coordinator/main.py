@@ -49,7 +49,7 @@ from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.ps_api import RetryPolicy, with_retries
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.security import INSECURE, SecurityError, TransportSecurity, security_from_args
-from pstrain.runtime.transport import host_of, start_server
+from pstrain.runtime.transport import BindError, PortInUse, host_of, start_server
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,14 @@ def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     servicer = CoordinatorServicer(job, registry)
-    server = start_server(args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, servicer)], ["Coordinator"], security)
+    try:
+        server = start_server(
+            args.bind, [(pb_grpc.add_CoordinatorServicer_to_server, servicer)], ["Coordinator"], security
+        )
+    except BindError as exc:  # settings that cannot work, as above: exit 2, which systemd does not restart
+        log.error("cannot start job %s: %s", args.config, exc)
+        job.close()
+        return 1 if isinstance(exc, PortInUse) else 2  # a port taken may be free again on the next start
     metrics = serve_metrics(host_of(args.bind), args.metrics_port, security, args.metrics_host)
     if metrics:
         register_job_metrics(job)
@@ -279,6 +286,7 @@ def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
         return 1 if job.failure_retryable else EXIT_JOB_FAILED
     finally:
         sd_notify("STOPPING=1")
+        job.stop_waits()  # a WaitForCluster call ends now, not at its deadline (or after the server's grace)
         server.stop(args.grace_s)
         job.close()
 

@@ -290,7 +290,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._require(context, "worker", request.worker_id)
         remaining = context.time_remaining()
         timeout = DEFAULT_CLUSTER_WAIT_S if remaining is None else remaining
-        view = self.job.wait_for_cluster(timeout, request.worker_id)
+        view = self.job.wait_for_cluster(timeout, request.worker_id, context.is_active)
         return pb.ClusterView(ps_addresses=view.ps_addresses, state=view.state.name, job=view.spec, probe=view.probe)
 
     @translate

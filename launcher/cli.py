@@ -31,12 +31,20 @@ from pstrain.coordinator.planning import (
     profile_job,
 )
 from pstrain.coordinator.preflight import named, preflight
-from pstrain.launcher.local_cluster import LocalCluster, RestartPolicy, last_metrics, run_local, user_code_paths
+from pstrain.launcher.local_cluster import (
+    LocalCluster,
+    RestartPolicy,
+    interrupted_exit_code,
+    last_metrics,
+    run_local,
+    user_code_paths,
+)
 from pstrain.planner.bucket_plan import NETWORK_BYTES_S, CommModel, choose_bucket_bytes, layers_of, measure_update_rate
 from pstrain.planner.bucket_plan import describe as describe_buckets
 from pstrain.runtime.atomic_io import atomic_write
 from pstrain.runtime.factories import FactoryError, build_model, describe_exception, import_callable
 from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.logs import log_level
 from pstrain.runtime.units import parse_bytes
 from pstrain.worker.devices import DeviceError, resolve_devices
 
@@ -72,8 +80,10 @@ def check_local_host(cfg: JobConfig) -> None:
 
 
 def import_user_code() -> None:
-    """Let this process import the job's factories from where its children do (``eval.factory`` runs here)."""
-    sys.path[0:0] = [path for path in user_code_paths() if path not in sys.path]
+    """Let this process import the job's factories from where its children do (``eval.factory`` runs here):
+    ``user_code_paths`` first, in their order, even where ``sys.path`` held them already further back."""
+    paths = user_code_paths()
+    sys.path[:] = [*paths, *(path for path in sys.path if path not in paths)]
 
 
 def log_traceback(out_dir: Path, what: str, exc: BaseException) -> Path:
@@ -126,6 +136,9 @@ def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:
 
 def cmd_local(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"pstrain local: --out {out_dir}: a file is there; name a directory", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
         if args.steps is not None:
@@ -171,10 +184,17 @@ def _check_size_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{name}: must be positive, got {value!r}")
 
 
+def _check_memory_max_json(path: str | None) -> None:
+    """``--memory-max-json``'s folder must exist: found only after minutes of planning, it was a traceback."""
+    if path and not Path(path).parent.is_dir():
+        raise ValueError(f"--memory-max-json: {Path(path).parent} is not a directory")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan without starting a cluster."""
     try:
         _check_size_flags(args)
+        _check_memory_max_json(args.memory_max_json)
         cfg = load_config(args.config)
         checked = preflight(cfg)
         model = checked.model
@@ -195,7 +215,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(bucket_plan_text(cfg, model.model, checked.dataset, args.network_bandwidth))  # S4.2
     if args.memory_max_json:  # issue 10: what ansible's pstrain_memory_max role applies as systemd MemoryMax
         estimates = memory_max(cfg, job_plan, model.layout.total)
-        Path(args.memory_max_json).write_text(json.dumps(estimates) + "\n")
+        try:
+            Path(args.memory_max_json).write_text(json.dumps(estimates) + "\n")
+        except OSError as exc:
+            print(f"pstrain plan: --memory-max-json: {exc}", file=sys.stderr)
+            return 1
         print(f"MemoryMax estimates: worker {estimates['worker_bytes']} B, PS {estimates['ps_bytes']} B")
     return 0
 
@@ -224,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--config", required=True, help="job file (YAML)")
     local.add_argument("--out", default="runs/latest", help="output directory (model.pt, metrics.jsonl, logs/)")
     local.add_argument("--steps", type=int, help="override job.steps")
-    local.add_argument("--log-level", default="INFO", help="log level of the cluster's processes")
+    local.add_argument(
+        "--log-level", type=log_level, default="INFO", metavar="LEVEL", help="log level of the cluster's processes"
+    )
     local.add_argument(
         "--fresh",
         action="store_true",
@@ -250,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import_user_code()
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt as exc:  # Ctrl-C before the cluster starts (the pre-flight check): no traceback
+        print(f"pstrain {args.command}: interrupted", file=sys.stderr)
+        return interrupted_exit_code(exc)
 
 
 if __name__ == "__main__":

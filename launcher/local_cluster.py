@@ -3,8 +3,10 @@
 The launcher starts the coordinator, waits for its port file, starts the PS shards and the
 workers (each binds a free port and registers itself), follows progress over the
 coordinator's WatchProgress stream, and tears everything down when the job ends, when any
-process but a worker dies, or on Ctrl-C. A dead worker is restarted alone (S2.5, with
-``fault.replace_timeout_s`` > 0): it replaces itself in its slot while the step waits for it.
+process but a worker dies, or on Ctrl-C, SIGTERM or SIGHUP (exit 128 + the signal). A process
+that exits before the job finished is dead whatever its exit code, 0 included. A dead worker is
+restarted alone (S2.5, with ``fault.replace_timeout_s`` > 0): it replaces itself in its slot while
+the step waits for it.
 A coordinator killed by a signal is restarted alone on its address (``--recover auto``): it takes
 the job back from its journal while the PS shards and workers ride out the outage, and the
 progress stream reconnects from the next step. A whole-cluster (re)start passes ``--recover
@@ -24,11 +26,13 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -47,12 +51,23 @@ log = logging.getLogger(__name__)
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1
+ERROR_LINE = re.compile(r"^\S+ \S+ (?:ERROR|CRITICAL) \S+ \S+: (.*)$")
+"""A child's ERROR line (``runtime.logs``: date, time, level, service[pid], logger): the message."""
 
 
 def user_code_paths() -> list[str]:
-    """Where job files' factories import from in every process ``pstrain local`` runs, the launcher included:
-    pstrain's source root and the current directory (ahead of ``PYTHONPATH``)."""
-    return [str(SOURCE_ROOT), os.getcwd()]
+    """Where job files' factories import from in every process ``pstrain local`` runs, the launcher included
+    (ahead of ``PYTHONPATH``): the current directory, then pstrain's source root when pstrain runs from a
+    checkout (its ``examples`` and ``tests`` factories).
+
+    The current directory comes first so that the user's own module wins over a pstrain folder of the same
+    name (``nn``, ``runtime``, ``worker``). An installed pstrain's folder (``site-packages/pstrain``) is left
+    out: it holds only pstrain's own subpackages, which would shadow the user's modules and which nobody
+    imports by those bare names."""
+    paths = [os.getcwd()]
+    if (SOURCE_ROOT / "pyproject.toml").is_file() and str(SOURCE_ROOT) not in paths:
+        paths.append(str(SOURCE_ROOT))
+    return paths
 
 
 class ClusterFailure(RuntimeError):
@@ -60,12 +75,53 @@ class ClusterFailure(RuntimeError):
 
 
 class ProcessDied(ClusterFailure):
-    """A child exited unexpectedly: the cluster is restarted from the last committed checkpoint."""
+    """A child exited unexpectedly: the cluster is restarted from the last committed checkpoint.
 
-    def __init__(self, name: str, exit_code: int, tail: str) -> None:
-        super().__init__(f"{name} exited with code {exit_code}; last log lines:\n{tail}")
+    ``last_error``: the child's last ERROR line, what ``pstrain local`` shows when the exit code says a
+    restart cannot help (a bad setting only the child could check): one line, not a traceback."""
+
+    def __init__(self, name: str, exit_code: int, tail: str, last_error: str = "") -> None:
+        when = " before the job finished" if exit_code == 0 else ""
+        super().__init__(f"{name} exited with code {exit_code}{when}; last log lines:\n{tail}")
         self.name = name
         self.exit_code = exit_code
+        self.last_error = last_error
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to ``pstrain local``: the cluster is drained as on Ctrl-C; exit 128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted_exit_code(exc: KeyboardInterrupt) -> int:
+    """The shell's convention: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)."""
+    return 128 + getattr(exc, "signum", signal.SIGINT)
+
+
+@contextlib.contextmanager
+def interrupt_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Turn ``signals`` into ``Interrupted`` in the main thread, so ``systemctl stop`` or a closed terminal
+    drain the cluster like Ctrl-C does instead of killing the launcher (and, by PR_SET_PDEATHSIG, every
+    child) at once. One is enough: a second one while the cluster drains is ignored, so the drain ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not seen:
+            seen.append(signum)
+            raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 @dataclass(frozen=True)
@@ -148,11 +204,20 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes]
     log_path: Path
     log_file: IO[bytes]
+    exited_at: float | None = None  # when an exit 0 was first seen while the job was not known to be over
 
     def tail(self, lines: int = 15) -> str:
         self.log_file.flush()
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(f"    {line}" for line in text[-lines:])
+
+    def last_error(self) -> str:
+        """The message of the last ERROR (or CRITICAL) line of the log, without the traceback after it."""
+        self.log_file.flush()
+        for line in reversed(self.log_path.read_text(errors="replace").splitlines()):
+            if found := ERROR_LINE.match(line):
+                return found.group(1)
+        return ""
 
 
 @dataclass
@@ -170,6 +235,10 @@ class LocalCluster:
     worker_restarts: dict[str, int] = field(default_factory=dict)  # per worker process, over the whole run
     coordinator_restarts: int = 0  # the coordinator restarted alone (taking the job back from its journal)
     left_dead: list[str] = field(default_factory=list)  # workers left dead since the last (re)start (min_workers)
+    clean_exit_grace_s: float = 10.0
+    """How long an exit 0 may wait for the progress stream to show the job's last step before it counts as a
+    death: a worker exits 0 once it pushed the last step, maybe before the others' reports complete it."""
+    _last_step_seen: bool = False  # the progress stream showed the job's last step: exits 0 are the job's end
     _member_args: list[str] = field(default_factory=list)
     _coordinator_args: list[str] = field(default_factory=list)
 
@@ -206,6 +275,7 @@ class LocalCluster:
         """
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.left_dead = []  # every worker is started again
+        self._last_step_seen = False
         port_file = self.out_dir / "coordinator.port"
         port_file.unlink(missing_ok=True)
         self.coordinator_address = f"127.0.0.1:{free_port()}"
@@ -236,10 +306,11 @@ class LocalCluster:
                 coordinator.popen.wait(timeout=0.05)
 
     def _raise_if_dead(self) -> None:
+        """While the cluster starts, any exit is a death, exit 0 included: nobody may be done yet."""
         for proc in self.processes:
             code = proc.popen.poll()
-            if code not in (None, 0):
-                raise ProcessDied(proc.name, code, proc.tail())
+            if code is not None:
+                raise ProcessDied(proc.name, code, proc.tail(), proc.last_error())
 
     def _replaces_workers(self) -> bool:
         return self.cfg.fault.replace_timeout_s > 0
@@ -250,8 +321,12 @@ class LocalCluster:
 
         ``job_over`` (the coordinator announced that the job finished): a restart could only rejoin a
         job that is gone (a worker killed while it exited would wait for a coordinator that never comes
-        back), so the dead are let go."""
-        dead = [(proc.name, code) for proc in self.processes if (code := proc.popen.poll()) not in (None, 0)]
+        back), so the dead are let go.
+
+        An exit 0 before the job is over is a death too (a member stopped by someone else, user code that
+        called ``sys.exit(0)``): nothing would replace it and the job would wait for it. Only it waits
+        ``clean_exit_grace_s`` for the progress stream to show the last step, the end a worker exits 0 at."""
+        dead = [(proc.name, code) for proc in self.processes if (code := self._exit_code(proc, job_over)) is not None]
         if not dead:
             return
         by_name = {proc.name: proc for proc in self.processes}
@@ -269,7 +344,7 @@ class LocalCluster:
         )
         if decision.cluster is not None:
             name, code = decision.cluster
-            raise ProcessDied(name, code, by_name[name].tail())
+            raise ProcessDied(name, code, by_name[name].tail(), by_name[name].last_error())
         for name, code in decision.left:
             self.left_dead.append(name)
             self._drop(
@@ -293,6 +368,18 @@ class LocalCluster:
                 f"(restart {restarts + 1} of {self.cfg.fault.max_restarts})",
             )
             self._spawn(name, "pstrain.worker", self._member_args)
+
+    def _exit_code(self, proc: ManagedProcess, job_over: bool) -> int | None:
+        """``proc``'s exit code if it counts as dead now (see ``_supervise``), else None."""
+        code = proc.popen.poll()
+        if code != 0:
+            return code
+        if job_over or self._last_step_seen:
+            return None  # the job's end
+        now = time.monotonic()
+        if proc.exited_at is None:
+            proc.exited_at = now
+        return 0 if now - proc.exited_at >= self.clean_exit_grace_s else None
 
     def _drop(self, proc: ManagedProcess, why: str) -> None:
         """Forget a dead child (saying why on stderr): it is let go, or started anew under the same name."""
@@ -334,6 +421,7 @@ class LocalCluster:
                                 final.append(event)
                                 return
                             next_step = event.step + 1
+                            self._last_step_seen = self._last_step_seen or next_step >= steps
                             bar.update(1)
                             bar.set_postfix(
                                 loss=f"{event.loss:.4f}", lr=f"{event.lr:.3g}", samples_s=f"{event.samples_per_s:.0f}"
@@ -401,43 +489,54 @@ class LocalCluster:
 
 
 def run_local(cluster: LocalCluster, policy: RestartPolicy | None = None) -> int:
-    """Run the cluster to the job's end, restarting it after a child dies (see ``RestartPolicy``)."""
+    """Run the cluster to the job's end, restarting it after a child dies (see ``RestartPolicy``).
+
+    The exit code: 0 when the job finished; 2 or 3 when a child exited so (a bad setting only it could
+    check, a job that would fail again), with its last ERROR line; 1 after the last restart; 128 + the
+    signal after Ctrl-C, SIGTERM or SIGHUP, once the cluster is drained."""
     policy = policy or RestartPolicy()
     attempt = 0
-    while True:
-        try:
-            cluster.start()
-            steps = cluster.run()
-            print(f"trained {steps} steps; model written to {cluster.out_dir / 'model.pt'}")
-            return 0
-        except ProcessDied as exc:
-            cluster.shutdown(kill=True)
-            if exc.exit_code in policy.NOT_RETRIED or attempt >= policy.max_restarts:
-                print(f"pstrain local: {exc}", file=sys.stderr)
-                if attempt >= policy.max_restarts and exc.exit_code not in policy.NOT_RETRIED:
+    with interrupt_on_signals():
+        while True:
+            try:
+                cluster.start()
+                steps = cluster.run()
+                print(f"trained {steps} steps; model written to {cluster.out_dir / 'model.pt'}")
+                return 0
+            except ProcessDied as exc:
+                cluster.shutdown(kill=True)
+                if exc.exit_code in policy.NOT_RETRIED:
+                    why = exc.last_error or "no ERROR line in its log"
+                    print(f"pstrain local: {exc.name} exited with code {exc.exit_code}: {why}", file=sys.stderr)
+                    return exc.exit_code
+                if attempt >= policy.max_restarts:
+                    print(f"pstrain local: {exc}", file=sys.stderr)
                     print(f"pstrain local: gave up after {attempt} restart(s)", file=sys.stderr)
+                    return 1
+                delay = policy.delay(attempt)
+                attempt += 1
+                print(
+                    f"pstrain local: {exc.name} exited with code {exc.exit_code}; restarting the cluster from the "
+                    f"last committed checkpoint in {delay:.1f}s (restart {attempt} of {policy.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            except ClusterFailure as exc:
+                print(f"pstrain local: {exc}", file=sys.stderr)
                 return 1
-            delay = policy.delay(attempt)
-            attempt += 1
-            print(
-                f"pstrain local: {exc.name} exited with code {exc.exit_code}; restarting the cluster from the last "
-                f"committed checkpoint "
-                f"in {delay:.1f}s (restart {attempt} of {policy.max_restarts})",
-                file=sys.stderr,
-                flush=True,
-            )
-        except ClusterFailure as exc:
-            print(f"pstrain local: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("pstrain local: interrupted; stopping the cluster", file=sys.stderr)
-            return 130
-        finally:
-            cluster.shutdown()
-        try:
-            time.sleep(delay)  # restart backoff, not a wait for a peer
-        except KeyboardInterrupt:
-            return 130
+            except KeyboardInterrupt as exc:
+                print(f"pstrain local: interrupted ({_signal_name(exc)}); stopping the cluster", file=sys.stderr)
+                return interrupted_exit_code(exc)
+            finally:
+                cluster.shutdown()
+            try:
+                time.sleep(delay)  # restart backoff, not a wait for a peer
+            except KeyboardInterrupt as exc:
+                return interrupted_exit_code(exc)
+
+
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
 
 
 def last_metrics(out_dir: Path) -> dict[str, float] | None:

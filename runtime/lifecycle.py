@@ -10,11 +10,21 @@ import os
 import signal
 import socket
 import threading
+import time
+from typing import Any
 
 import grpc
 
 from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.logs import LOG_LEVELS, log_level
 from pstrain.runtime.security import add_security_flags
+
+STOP_POLL_S = 0.1
+"""How often a start-up wait looks at the stop event: SIGTERM must end it well within a unit's stop timeout."""
+
+
+class Stopped(Exception):
+    """A signal (the stop event) ended a wait during start-up: the orderly stop SIGTERM asks for, so exit 0."""
 
 
 def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -39,10 +49,36 @@ def stop_on_signals(stop: threading.Event, signals: tuple[int, ...] = (signal.SI
     threading.Thread(target=watch, name="signals", daemon=True).start()
 
 
-def wait_until_reachable(channel: grpc.Channel, address: str, timeout_s: float) -> None:
-    """Block until the channel connects (gRPC's own readiness future, not a sleep loop)."""
+def result_unless_stopped(
+    future: grpc.Future, stop: threading.Event | None, what: str, timeout_s: float | None = None
+) -> Any:
+    """``future.result()``, waited on in slices of ``STOP_POLL_S`` so that a set ``stop`` cancels the future and
+    raises ``Stopped`` at once, instead of holding a SIGTERM until gRPC gives up (minutes, for a start-up wait).
+
+    ``timeout_s`` None: as long as the future takes (an RPC's own deadline ends it); else
+    ``grpc.FutureTimeoutError`` after that long, the future cancelled. An RPC that fails raises its ``RpcError``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        slice_s = STOP_POLL_S if deadline is None else max(0.0, min(STOP_POLL_S, deadline - time.monotonic()))
+        try:
+            return future.result(timeout=slice_s)
+        except grpc.FutureTimeoutError:
+            if stop is not None and stop.is_set():
+                future.cancel()
+                raise Stopped(f"stopped while {what}") from None
+            if deadline is not None and time.monotonic() >= deadline:
+                future.cancel()
+                raise
+
+
+def wait_until_reachable(
+    channel: grpc.Channel, address: str, timeout_s: float, stop: threading.Event | None = None
+) -> None:
+    """Block until the channel connects (gRPC's own readiness future, not a sleep loop); ``Stopped`` once
+    ``stop`` is set (SIGTERM while the coordinator is still away)."""
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        result_unless_stopped(grpc.channel_ready_future(channel), stop, f"waiting for {address}", timeout_s)
     except grpc.FutureTimeoutError:
         raise ConnectionError(f"could not reach {address} within {timeout_s:.0f}s") from None
 
@@ -85,5 +121,7 @@ def add_common_flags(parser: argparse.ArgumentParser, default_bind: str) -> None
     parser.add_argument("--port-file", help="write the bound port here (atomically) once serving")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: any free, -1: off)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="graceful-shutdown grace period in seconds")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-level", type=log_level, default="INFO", metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (any case)"
+    )
     add_security_flags(parser)

@@ -8,9 +8,10 @@ errors to exit codes (``EXIT_CODES``).
 States (``MemberState``)::
 
     STARTING --server listening (NOT_SERVING), signals armed, coordinator reachable--> JOINING
-    STARTING --security settings unusable (exit 2): nothing was started--> STOPPED
+    STARTING --security settings or --bind unusable (exit 2; a port taken: 1): nothing was started--> STOPPED
     JOINING  --the body registered and prepared; ready(): SERVING, port file, READY=1--> SERVING
     STARTING --coordinator unreachable within --connect-timeout-s (exit 1)--> DRAINING
+    STARTING/JOINING --SIGTERM/SIGINT while waiting for the coordinator or the cluster (exit 0)--> DRAINING
     JOINING/SERVING --the body returned or raised--> DRAINING
     DRAINING --STOPPING=1, heartbeat off, the body's resources closed, server drained,
                coordinator channel closed--> STOPPED
@@ -40,6 +41,7 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.identity import IdentityHolder
 from pstrain.runtime.lifecycle import (
+    Stopped,
     add_common_flags,
     advertised_address,
     sd_notify,
@@ -50,7 +52,15 @@ from pstrain.runtime.lifecycle import (
 from pstrain.runtime.memory_trend import MemoryGuard, host_memory_limit, rss_bytes
 from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.security import SecurityError, TransportSecurity, is_loopback, security_from_args
-from pstrain.runtime.transport import CONTROL_TIMEOUT_S, ServingServer, host_of, open_channel, start_server
+from pstrain.runtime.transport import (
+    CONTROL_TIMEOUT_S,
+    BindError,
+    PortInUse,
+    ServingServer,
+    host_of,
+    open_channel,
+    start_server,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,8 +81,11 @@ stopped), or one whose failed job is ending."""
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (SecurityError, 2),  # settings that cannot work: retrying will not help
+    (PortInUse, 1),  # another process holds the port, maybe one still stopping: start again later
+    (BindError, 2),  # --bind cannot be served (or gRPC refused the TLS files): the same
     (grpc.RpcError, 1),
     (ConnectionError, 1),
+    (Stopped, 0),  # SIGTERM while waiting to join: the orderly stop it asks for, not a failure
 )
 """Expected failures and their exit codes; anything else propagates (traceback, exit 1)."""
 
@@ -259,7 +272,7 @@ class MemberProcess:
                 self._adopt_credential(reply)
                 return reply
             if self.stop.wait(delay):
-                raise ConnectionError("stopped while joining the job")
+                raise Stopped("stopped while joining the job")
             delay = min(2.0, delay * 2)
 
     def _adopt_credential(self, reply: object) -> None:
@@ -287,14 +300,14 @@ class MemberProcess:
         """Serve, reach the coordinator, run ``body(self)``, drain; returns the exit code."""
         try:
             self._server = start_member_server(self.args, self._register, self._service_names, self._aio)
-        except SecurityError as exc:
+        except (SecurityError, BindError) as exc:
             self._enter(MemberState.STOPPED)
             return self._exit_code(exc)
         if self._signals:
             stop_on_signals(self.stop, self._signals)
         self._channel = open_channel(self.args.coordinator, self._server.security)
         try:
-            wait_until_reachable(self._channel, self.args.coordinator, self.args.connect_timeout_s)
+            wait_until_reachable(self._channel, self.args.coordinator, self.args.connect_timeout_s, self.stop)
             self._coordinator = pb_grpc.CoordinatorStub(self._channel)
             self._enter(MemberState.JOINING)
             return body(self)
@@ -319,7 +332,9 @@ class MemberProcess:
             self._enter(MemberState.STOPPED)
 
     def _exit_code(self, exc: Exception) -> int:
-        if isinstance(exc, grpc.RpcError):
+        if isinstance(exc, Stopped):
+            log.info("%s", exc)
+        elif isinstance(exc, grpc.RpcError):
             log.error("RPC failed: %s: %s", exc.code().name, exc.details())
         else:
             log.error("%s", exc)

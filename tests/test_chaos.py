@@ -98,6 +98,7 @@ def test_a_second_run_of_a_finished_job_trains_anew_and_another_job_file_is_refu
     assert (out / "metrics.jsonl").read_text().count("\n") == 6 and first.count("\n") == 6
     other = chaos_job(tmp_path / "other.yaml", job={"steps": 12, "seed": 12})  # another seed: another job
     refused = run_local(other, out, uuid.uuid4().hex)
-    assert refused.returncode == 1 and "another job file" in refused.stderr and "--fresh" in refused.stderr
+    assert refused.returncode == 2, refused.stderr[-2000:]  # the coordinator's exit: a restart cannot help
+    assert "another job file" in refused.stderr and "--fresh" in refused.stderr and "Traceback" not in refused.stderr
     fresh = run_local(other, out, uuid.uuid4().hex, extra=["--fresh"])
     assert fresh.returncode == 0, fresh.stderr[-2000:]

@@ -8,11 +8,15 @@ a completion whose first reply was lost is known done when the retry finds the s
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.lifecycle import Stopped
 from pstrain.runtime.transport import open_channel, start_server
 from pstrain.worker.coordinator_link import CoordinatorLink
 
@@ -97,3 +101,33 @@ def test_a_refusal_that_names_a_wrong_request_is_not_repeated(coordinator):
         link.report(pb.StepReport(worker_id=1, step=4))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(servicer.calls["ReportStep"]) == 1
+
+
+class WaitingCoordinator(pb_grpc.CoordinatorServicer):
+    """WaitForCluster waits until the caller is gone (PS shards that never come), recording that it left."""
+
+    def __init__(self) -> None:
+        self.waiting, self.left = threading.Event(), threading.Event()
+
+    def WaitForCluster(self, request, context):
+        self.waiting.set()
+        while context.is_active():
+            self.left.wait(0.05)
+        self.left.set()
+        context.abort(grpc.StatusCode.CANCELLED, "the caller is gone")
+
+
+def test_a_stop_cancels_the_wait_for_the_cluster_at_once(coordinator):
+    """SIGTERM while a worker waits for slow PS shards (up to --cluster-timeout-s, 600 s): the call is
+    cancelled and the worker stops (``Stopped``: exit 0), instead of waiting out the call's deadline."""
+    servicer = WaitingCoordinator()
+    link = coordinator(servicer)
+    link.stop = threading.Event()
+    signalled = threading.Thread(target=lambda: servicer.waiting.wait(10) and link.stop.set())
+    signalled.start()
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        link.wait_for_cluster(20.0)
+    signalled.join()
+    assert time.monotonic() - started < 5.0
+    assert servicer.left.wait(5.0), "the coordinator saw the call cancelled"

@@ -487,6 +487,8 @@ def test_probe_session_without_a_budget_accepts_any_peak_and_judges_once():
 
 # ------------------------------------------------------------------ the servicer converts, over real gRPC
 
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
 from pstrain.coordinator.service import CoordinatorServicer  # noqa: E402
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
 from pstrain.runtime.transport import open_channel, start_server  # noqa: E402
@@ -530,6 +532,55 @@ def test_servicer_translates_messages_and_errors(tmp_path):
             ("worker", 1),
         ]
         assert stub.Heartbeat(pb.HeartbeatRequest(role="worker", id=0)).stop
+    finally:
+        channel.close()
+        server.stop(0)
+        job.close()
+
+
+def test_waiting_for_the_cluster_ends_when_the_caller_is_gone_or_the_coordinator_stops(tmp_path):
+    """A WaitForCluster handler must not outlive its caller or the process: it would hold the coordinator's
+    exit after SIGTERM until the caller's deadline (600 s by default)."""
+    job, _, _, _ = make_job(tmp_path)
+    caller = threading.Event()
+    caller.set()
+    with ThreadPoolExecutor(2) as pool:
+        gone = pool.submit(job.wait_for_cluster, 60.0, -1, caller.is_set)
+        stopped = pool.submit(job.wait_for_cluster, 60.0)
+        caller.clear()  # the caller cancelled, or the server cancelled the call after its grace period
+        with pytest.raises(WrongState, match="the caller is gone"):
+            gone.result(timeout=5)
+        assert not stopped.done()
+        job.close()  # the coordinator stops
+        with pytest.raises(WrongState, match="the coordinator is stopping"):
+            stopped.result(timeout=5)
+
+
+def test_a_stopping_server_ends_a_pending_wait_for_the_cluster_after_its_grace(tmp_path):
+    """The servicer hands the call's liveness to the job: the handler returns once the server cancels the call,
+    so its thread does not keep the coordinator process alive after the grace period."""
+    job, _, _, _ = make_job(tmp_path)
+    waiting, left = threading.Event(), threading.Event()
+    wait_for_cluster = job.wait_for_cluster
+
+    def spied(*args, **kwargs):
+        waiting.set()
+        try:
+            return wait_for_cluster(*args, **kwargs)
+        finally:
+            left.set()
+
+    job.wait_for_cluster = spied  # type: ignore[method-assign]
+    servicer = CoordinatorServicer(job)
+    server = start_server("127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, servicer)], ["Coordinator"])
+    channel = open_channel(f"127.0.0.1:{server.port}")
+    try:
+        call = pb_grpc.CoordinatorStub(channel).WaitForCluster.future(pb.WaitForClusterRequest(), timeout=30)
+        assert waiting.wait(10)
+        server.stop(0.2)
+        assert left.wait(5), "the handler still waits for PS shards after the server stopped"
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=5)
     finally:
         channel.close()
         server.stop(0)

@@ -2,17 +2,28 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
 from pstrain.coordinator.config import parse_config
-from pstrain.launcher.local_cluster import LocalCluster, ManagedProcess, Supervision, supervise
+from pstrain.launcher.local_cluster import (
+    LocalCluster,
+    ManagedProcess,
+    ProcessDied,
+    RestartPolicy,
+    Supervision,
+    supervise,
+)
+from pstrain.launcher.local_cluster import run_local as run_local_in_process
 from tests.helpers import (
     communicate_or_dump,
     metrics_lines,
@@ -190,3 +201,106 @@ def test_supervise_leaves_a_worker_dead_when_min_workers_allows_it():
     assert supervise([("worker-1", -9)], True, 0, {}, 0, spare_workers=0).cluster == ("worker-1", -9)
     assert supervise([("worker-1", -9)], False, 0, {}, 0, spare_workers=1).cluster == ("worker-1", -9)  # no drops
     assert supervise([("worker-1", 3)], True, 0, {}, 0, spare_workers=1).cluster == ("worker-1", 3)  # job failed
+
+
+def test_a_child_that_exits_0_before_the_job_finished_counts_as_dead(tmp_path):
+    """A member stopped by someone else (SIGTERM: exit 0) or user code calling ``sys.exit(0)``: nothing would
+    replace it and the job would wait for it. Only the job's end, shown on the progress stream, explains an
+    exit 0; the grace period covers a worker that finished before the others' reports completed the last step."""
+    cfg = parse_config(yaml.safe_load(write_job(tmp_path / "job.yaml", fault={"replace_timeout_s": 0}).read_text()))
+    cluster = LocalCluster(tmp_path / "job.yaml", cfg, tmp_path / "out", clean_exit_grace_s=30.0)
+    quit_ = cluster._spawn("worker-1", "tests.helpers", [])  # exits 0 at once: no __main__ runs anything
+    try:
+        quit_.popen.wait(30)
+        cluster._supervise()  # within the grace period: maybe the job's end
+        cluster.clean_exit_grace_s = 0.0
+        cluster._last_step_seen = True
+        cluster._supervise()  # the job's last step was seen: the job's end
+        cluster._last_step_seen = False
+        with pytest.raises(ProcessDied) as died:
+            cluster._supervise()
+        assert died.value.name == "worker-1" and died.value.exit_code == 0
+        assert "worker-1 exited with code 0 before the job finished" in str(died.value)
+    finally:
+        cluster.shutdown()
+
+
+def test_the_last_error_line_is_what_a_child_that_cannot_be_restarted_is_reported_by(tmp_path):
+    log_path = tmp_path / "coordinator.log"
+    log_path.write_text(
+        "2026-01-01 10:00:00,001 INFO pstrain-coordinator[7] pstrain.coordinator.main: starting\n"
+        "2026-01-01 10:00:00,002 ERROR pstrain-coordinator[7] pstrain.coordinator.main: cannot start job j.yaml: "
+        "checkpoint.dir: holds checkpoints of another job file\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "pstrain.coordinator.checkpoints.CheckpointMismatch: ERROR x y: not a log line\n"
+    )
+    sleeper = subprocess.Popen([sys.executable, "-c", "pass"])
+    sleeper.wait(30)
+    with open(log_path, "ab") as log_file:
+        proc = ManagedProcess("coordinator", sleeper, log_path, log_file)
+        assert proc.last_error() == "cannot start job j.yaml: checkpoint.dir: holds checkpoints of another job file"
+
+
+class Interrupting:
+    """A stand-in cluster whose start is interrupted by ``signum`` sent to this process; a second one arrives
+    while it drains."""
+
+    def __init__(self, out_dir: Path, signum: int) -> None:
+        self.out_dir, self.signum = out_dir, signum
+        self.drained = 0
+
+    def start(self) -> None:
+        os.kill(os.getpid(), self.signum)
+        threading.Event().wait(10)  # the handler interrupts this wait
+        raise AssertionError(f"{signal.Signals(self.signum).name} did not interrupt the launcher")
+
+    def run(self) -> int:
+        raise AssertionError("never reached")
+
+    def shutdown(self, kill: bool = False) -> None:
+        os.kill(os.getpid(), self.signum)  # systemd's second SIGTERM: the drain goes on
+        threading.Event().wait(0.2)
+        self.drained += 1
+
+
+class NotHandled(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_drain_the_cluster_like_ctrl_c(tmp_path, capsys, signum, code):
+    """``systemctl stop`` or a closed terminal: an orderly drain and exit 128 + the signal, not a launcher
+    killed at once (its children with it, by PR_SET_PDEATHSIG, with no drain)."""
+
+    def unhandled(signum: int, frame: object) -> None:
+        raise NotHandled(signal.Signals(signum).name)  # instead of this test process dying
+
+    previous = signal.signal(signum, unhandled)
+    try:
+        cluster = Interrupting(tmp_path, signum)
+        assert run_local_in_process(cluster, RestartPolicy(max_restarts=0)) == code  # type: ignore[arg-type]
+        assert cluster.drained == 1
+        assert signal.getsignal(signum) is unhandled, "the launcher's handler is gone once it returns"
+    finally:
+        signal.signal(signum, previous)
+    assert f"interrupted ({signal.Signals(signum).name}); stopping the cluster" in capsys.readouterr().err
+
+
+def test_a_child_that_cannot_be_restarted_gives_its_exit_code_and_its_error_in_one_line(tmp_path):
+    """A setting only the children check (here an empty token file): exit 2 with the child's own message, as a
+    bad job file does, not exit 1 with a log tail holding a traceback."""
+    token = tmp_path / "token"
+    token.write_text("")
+    job = write_job(
+        tmp_path / "job.yaml",
+        security={"token_file": str(token)},
+        cluster={"ps_shards": 1, "workers": 1, "devices_per_worker": 1},
+    )
+    marker = uuid.uuid4().hex
+    result = run_local(job, tmp_path / "out", marker, timeout_s=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    first = result.stderr.strip().splitlines()[0]
+    assert re.fullmatch(rf"pstrain local: \S+ exited with code 2: .*the token in {token} is empty", first), first
+    assert "Traceback" not in result.stderr and "last log lines" not in result.stderr
+    wait_for(lambda: not pids_with_marker(marker), 10, "every child to be gone")

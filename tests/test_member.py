@@ -245,6 +245,49 @@ def test_an_unreachable_coordinator_exits_1_without_running_the_body(tmp_path, n
     assert_drained(member, member.served.address)
 
 
+def test_sigterm_while_the_coordinator_is_unreachable_exits_0_at_once(tmp_path, notify):
+    """README: exit 0 on SIGTERM. Not after --connect-timeout-s with exit 1, which a unit would restart."""
+    gone = start_server("127.0.0.1:0", [], [])
+    gone.stop(0)
+    member = make_member(member_args(f"127.0.0.1:{gone.port}", tmp_path, "--connect-timeout-s", "20"))
+    signalled = threading.Timer(0.3, member.stop.set)  # what SIGTERM's watcher does, while the wait is on
+    signalled.start()
+    started = time.monotonic()
+    try:
+        assert member.run(lambda m: pytest.fail("the body must not run")) == 0
+    finally:
+        signalled.cancel()
+    assert time.monotonic() - started < 5.0, "the stop ended the wait, not the connect timeout"
+    assert notify() == ["STOPPING=1"]
+    assert_drained(member, member.served.address)
+
+
+class Refused(grpc.RpcError):
+    """A registration the coordinator cannot take yet (it restarts): ``join`` retries it."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "restarting"
+
+
+def test_sigterm_while_joining_exits_0(tmp_path, coordinator, notify):
+    _, address = coordinator(NO_STOP)
+    member = make_member(member_args(address, tmp_path))
+    tries = []
+
+    def register() -> object:
+        tries.append(time.monotonic())
+        member.stop.set()  # SIGTERM arrives while the coordinator keeps refusing
+        raise Refused()
+
+    assert member.run(lambda m: m.join(register)) == 0
+    assert len(tries) == 1, "no retry after the stop"
+    assert notify() == ["STOPPING=1"]
+    assert_drained(member, member.served.address)
+
+
 def test_unusable_security_settings_exit_2_before_anything_starts(tmp_path, notify):
     member = make_member(member_args("127.0.0.1:1", tmp_path, "--tls-ca", str(tmp_path / "ca.pem")))
     assert member.run(lambda m: pytest.fail("the body must not run")) == 2

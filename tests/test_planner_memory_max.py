@@ -70,6 +70,49 @@ def test_the_role_applies_the_plans_estimates_as_drop_ins(tmp_path):
     assert job.exists()
 
 
+USER_CODE = """import torch
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4))
+
+
+def data():
+    gen = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(16, 5, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+"""
+
+
+def test_the_plan_runs_from_the_deployed_venv_and_code_under_pstrain_root(tmp_path):
+    """The role's defaults, as a real deployment has them: pstrain from the venv under ``pstrain_root``, and the
+    job's factories from the deployed code folder (the units' PYTHONPATH), which is nowhere else on the path."""
+    root = tmp_path / "root"
+    venv_bin = root / "opt/pstrain/venv/bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "pstrain").symlink_to(BIN / "pstrain")
+    code = root / "opt/pstrain/code/deployed_user_code"
+    code.mkdir(parents=True)
+    (code / "__init__.py").write_text("")
+    (code / "models.py").write_text(USER_CODE)
+    (root / "etc/pstrain").mkdir(parents=True)
+    write_job(
+        root / "etc/pstrain/job.yaml",
+        model={"factory": "deployed_user_code.models:mlp"},
+        data={"factory": "deployed_user_code.models:data", "shard_size": 8},
+        batch={"per_device": 8},
+    )
+    result = run_role(
+        tmp_path,
+        "worker",
+        pstrain_memory_max_from_plan=True,
+        pstrain_memory_max_plan_args=["--device-memory", "1GiB", "--host-memory", "8GiB"],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    figures = json.loads((root / "etc/pstrain/memory-max.json").read_text())
+    drop_in = root / "etc/systemd/system/pstrain-worker.service.d/50-memory-max.conf"
+    assert f"MemoryMax={figures['worker_bytes']}\n" in drop_in.read_text()
+
+
 def test_explicit_estimates_and_nothing_when_none_are_given(tmp_path):
     result = run_role(tmp_path, "ps", pstrain_memory_max_estimates={"worker_bytes": 5 << 30, "ps_bytes": 3 << 30})
     assert result.returncode == 0, result.stdout[-3000:]

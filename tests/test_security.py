@@ -304,3 +304,98 @@ def test_metrics_are_served_over_tls_with_client_certificates(secure_coordinator
         urllib.request.urlopen(f"https://{address}/metrics", context=anonymous, timeout=10).read()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read()
+
+
+# ------------------------------------------------------------------ TLS files and the token checked at load
+
+
+@pytest.fixture(scope="module")
+def two_pkis(tmp_path_factory):
+    from cryptography.hazmat.primitives import serialization
+
+    directory = tmp_path_factory.mktemp("pkis")
+    a, b = make_pki(directory / "a", "a"), make_pki(directory / "b", "b")
+    (directory / "garbage.pem").write_text("not a pem at all\n")
+    key = serialization.load_pem_private_key(a.key.read_bytes(), None)
+    encrypted = serialization.BestAvailableEncryption(b"passphrase")
+    pkcs8 = serialization.PrivateFormat.PKCS8
+    (directory / "encrypted.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, pkcs8, encrypted))
+    return a, b, directory
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        (lambda a, b, d: (a.ca, a.key, a.cert), r"--tls-cert: .*a\.key holds no PEM certificate"),  # swapped
+        (lambda a, b, d: (a.ca, a.cert, b.key), r"--tls-key: .*b\.key is not the private key of --tls-cert"),
+        (lambda a, b, d: (d / "garbage.pem", a.cert, a.key), r"--tls-ca: .*garbage\.pem holds no PEM certificate"),
+        (lambda a, b, d: (a.ca, d / "garbage.pem", a.key), r"--tls-cert: .*garbage\.pem holds no PEM certificate"),
+        (lambda a, b, d: (b.ca, a.cert, a.key), r"--tls-cert: .*a\.pem does not verify against the CA in --tls-ca"),
+        (lambda a, b, d: (a.ca, a.cert, d / "encrypted.key"), r"--tls-key: .*encrypted\.key is encrypted"),
+    ],
+)
+def test_tls_files_that_do_not_fit_together_are_refused_at_load_naming_the_file(two_pkis, files, message):
+    """Before, each of these loaded: gRPC then failed to bind ("Failed to bind to address", exit 1, restarted for
+    ever by systemd), or, with a CA that does not sign the process's own certificate, a server started that refused
+    every peer."""
+    a, b, directory = two_pkis
+    with pytest.raises(SecurityError, match=message):
+        TransportSecurity.load(*(str(path) for path in files(a, b, directory)))
+    assert TransportSecurity.load(str(a.ca), str(a.cert), str(a.key)).tls
+
+
+def test_the_token_variable_is_stripped_and_an_empty_one_refused():
+    assert TransportSecurity.load(env={"PSTRAIN_TOKEN": "  abc\n"}).token == "abc"
+    for empty in ("", " \n\t"):
+        with pytest.raises(SecurityError, match=r"\$PSTRAIN_TOKEN is set but empty"):
+            TransportSecurity.load(env={"PSTRAIN_TOKEN": empty})
+    assert TransportSecurity.load(env={}).token is None
+
+
+def run_service(module: str, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    args = ["--config", str(write_job(tmp_path / "job.yaml"))] if module == "pstrain.coordinator" else []
+    if module == "pstrain.ps_server":
+        args = ["--coordinator", "127.0.0.1:1", "--shard-id", "0", "--connect-timeout-s", "1"]
+    return subprocess.run(
+        [sys.executable, "-m", module, *args, "--metrics-port", "-1", *flags],
+        cwd=REPO_ROOT,
+        env=child_env(uuid.uuid4().hex),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("module", ["pstrain.coordinator", "pstrain.ps_server"])
+def test_a_service_with_its_certificate_and_key_swapped_exits_2_naming_the_file(tmp_path, pki, module):
+    bundle, _ = pki
+    tls = ["--tls-ca", str(bundle.ca), "--tls-cert", str(bundle.key), "--tls-key", str(bundle.cert)]
+    done = run_service(module, tmp_path, "--bind", "127.0.0.1:0", *tls)
+    assert done.returncode == 2, done.stderr[-2000:]  # RestartPreventExitStatus=2: systemd does not restart it
+    assert f"--tls-cert: {bundle.key} holds no PEM certificate" in done.stderr
+    assert "Traceback" not in done.stderr and "Failed to bind" not in done.stderr
+
+
+@pytest.mark.parametrize("module", ["pstrain.coordinator", "pstrain.ps_server"])
+def test_a_service_whose_port_is_taken_exits_1_to_be_started_again(tmp_path, module):
+    """A port another process holds may be free on the next start (the old process still stopping): exit 1, which
+    systemd restarts, not 2."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = run_service(module, tmp_path, "--bind", address)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot listen on {address}: another process holds the port" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("module", ["pstrain.coordinator", "pstrain.ps_server"])
+def test_a_service_bound_to_an_address_the_host_lacks_exits_2_naming_it(tmp_path, module):
+    address = "192.0.2.1:0"  # TEST-NET-1 (RFC 5737): never a host's own address
+    done = run_service(module, tmp_path, "--bind", address, "--insecure")
+    assert done.returncode == 2, done.stderr[-2000:]  # RestartPreventExitStatus=2: settings that cannot work
+    assert f"cannot listen on {address}: the host has no such address" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -30,6 +30,7 @@ from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import decode_named_tensors, encode_named_tensors
 from pstrain.runtime.admission import checked_tensor_stream
+from pstrain.runtime.lifecycle import result_unless_stopped
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,12 @@ class CoordinatorLink:
         return reply
 
     def wait_for_cluster(self, timeout_s: float) -> pb.ClusterView:
-        return self._stub.WaitForCluster(pb.WaitForClusterRequest(worker_id=self.worker_id), timeout=timeout_s)
+        """Wait (one call, up to ``timeout_s``) until every PS shard serves; ``Stopped`` as soon as ``stop`` is set.
+
+        The call may wait minutes for slow PS shards: a SIGTERM meanwhile cancels it and the worker exits 0."""
+        call = self._stub.WaitForCluster.future(pb.WaitForClusterRequest(worker_id=self.worker_id), timeout=timeout_s)
+        view: pb.ClusterView = result_unless_stopped(call, self.stop, "waiting for the PS shards")
+        return view
 
     def report_probe(self, report: pb.ProbeReport) -> pb.ProbeVerdict:
         return self._stub.ReportProbe(report, timeout=CONTROL_TIMEOUT_S)
