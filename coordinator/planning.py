@@ -224,6 +224,8 @@ def plan_job(
         )
     plan = make_plan(cfg, batch)
     warnings = _lr_warnings(cfg, plan)
+    if profile.unprofiled():
+        warnings += (profile.unprofiled(),)
     gpu_job = bool(cfg.memory.device_memory or device_memory) or planning_gpu(cfg) is not None
     if profile.device == "cpu" and gpu_job and not _only_cpus(cfg):
         then = (

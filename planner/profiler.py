@@ -36,12 +36,22 @@ class LayerProfile:
         return self.saved_bytes_fixed + self.saved_bytes_per_sample * batch
 
 
+UNPROFILED_SHARE = 0.1
+"""The share of a profile's bytes that may belong to no layer before the plan warns (``ModelProfile.unprofiled``):
+a few bytes a model's own forward saves between its layers are no reason to."""
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     layers: tuple[LayerProfile, ...]
     batch: int  # the reference batch the times were measured at
     device: str
     device_total_bytes: int = 0  # the device's memory when known (a worker's GPU); 0 for a CPU
+    # What no profiled layer holds, so the plan leaves it out (``unprofiled``): the parameters of modules that are
+    # neither layers nor inside one (a non-leaf module's own ``nn.Parameter``), and the bytes saved for backward at
+    # the reference batch while no layer ran (a parent's ``forward`` computing between its children).
+    unprofiled_param_bytes: int = 0
+    unprofiled_saved_bytes: int = 0
 
     @property
     def param_bytes(self) -> int:
@@ -56,6 +66,25 @@ class ModelProfile:
     def largest_layer(self) -> LayerProfile:
         return max(self.layers, key=lambda layer: layer.saved_bytes_per_sample)
 
+    def unprofiled(self, share: float = UNPROFILED_SHARE) -> str:
+        """What the plan leaves out and how to bring it in, or "" while that is below ``share`` of the bytes the
+        profile holds at its reference batch (parameters and saved tensors)."""
+        missed = self.unprofiled_param_bytes + self.unprofiled_saved_bytes
+        if missed <= share * (self.param_bytes + self.saved_bytes(self.batch) + missed):
+            return ""
+        parts = []
+        if self.unprofiled_param_bytes:
+            parts.append(f"{self.unprofiled_param_bytes} B of parameters owned by modules that are not layers")
+        if self.unprofiled_saved_bytes:
+            outside = f"{self.unprofiled_saved_bytes} B saved for backward at batch {self.batch}"
+            parts.append(f"{outside} outside every layer's forward")
+        return (
+            "the per-layer profile misses " + " and ".join(parts) + ", so the memory plan leaves them out and may "
+            "choose a batch that does not fit: name the modules that compute in their own forward (attention "
+            "written inline, a positional nn.Parameter) in memory.blocks (the model itself cannot be one), or check "
+            "the batch with memory.probe: true"
+        )
+
 
 @dataclass
 class _Tracker:
@@ -69,14 +98,18 @@ class _Tracker:
     backward_s: dict[str, float] = field(default_factory=dict)
     seen_storages: set[int] = field(default_factory=set)
     started: dict[str, float] = field(default_factory=dict)
+    outside: int = 0  # bytes saved while no layer ran (between layers, in a parent's own forward, in the loss)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if self.current and ptr not in self.param_ptrs and ptr not in self.seen_storages:
+        if ptr not in self.param_ptrs and ptr not in self.seen_storages:
             self.seen_storages.add(ptr)
-            layer = self.current[-1]
-            self.saved[layer] = self.saved.get(layer, 0) + storage.nbytes()
+            if self.current:
+                layer = self.current[-1]
+                self.saved[layer] = self.saved.get(layer, 0) + storage.nbytes()
+            else:
+                self.outside += storage.nbytes()
         return tensor
 
 
@@ -185,7 +218,9 @@ def profile_model(
         raise ValueError("the model has no layers to profile")
     _measure(model, layers, *sample(small), loss_fn, device)  # warm-up: allocator, kernels, lazy init
     a = _measure(model, layers, *sample(small), loss_fn, device)
-    b = _measure(model, layers, *sample(large), loss_fn, device)
+    inputs, targets = sample(large)
+    b = _measure(model, layers, inputs, targets, loss_fn, device)
+    loss_only = _loss_saved_bytes(model, inputs, targets, loss_fn, device)
     profiles = []
     for name, module in layers:
         slope = (b.saved.get(name, 0) - a.saved.get(name, 0)) / (large - small)
@@ -202,4 +237,28 @@ def profile_model(
                 backward_s=b.backward_s.get(name, 0.0),
             )
         )
-    return ModelProfile(tuple(profiles), large, str(device))
+    in_layers = {id(p) for _, module in layers for p in module.parameters()}
+    unprofiled_params = sum(
+        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in in_layers
+    )
+    return ModelProfile(
+        tuple(profiles),
+        large,
+        str(device),
+        unprofiled_param_bytes=unprofiled_params,
+        unprofiled_saved_bytes=max(0, b.outside - loss_only),
+    )
+
+
+def _loss_saved_bytes(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, device: torch.device
+) -> int:
+    """Bytes the loss function saves for backward at this batch: outside every layer, but not the model's (the
+    plan's backward temporaries cover them), so ``unprofiled_saved_bytes`` leaves them out."""
+    with torch.no_grad():
+        output = model(inputs.to(device))
+    output.requires_grad_(True)
+    tracker = _Tracker({p.untyped_storage().data_ptr() for p in model.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
+        loss_fn(output, targets.to(device))
+    return tracker.outside

@@ -90,6 +90,42 @@ def test_blocks_are_profiled_as_one_layer():
         profile_model(model, mlp_batch, CE, blocks=["nope"])
 
 
+class InlineAttention(nn.Module):
+    """Computes in its own forward and owns a parameter of its own: neither is any leaf layer's."""
+
+    def __init__(self, d: int = 16, seq: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        self.q, self.k, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.pos
+        scores = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2), dim=-1)  # (B, seq, seq), saved outside
+        return self.head((scores @ x).mean(1))
+
+
+def attention_batch(n):
+    return torch.randn(n, 12, 16), torch.randint(0, 5, (n,))
+
+
+def test_the_profile_names_what_no_layer_holds_and_the_plan_warns():
+    profile = profile_model(InlineAttention(), attention_batch, CE, batches=(2, 4))
+    assert profile.unprofiled_param_bytes == 12 * 16 * 4  # pos
+    assert profile.unprofiled_saved_bytes >= 4 * 12 * 12 * 4  # at least the softmax output at batch 4
+    assert "memory.blocks" in profile.unprofiled()
+    assert not profile.unprofiled(share=1.0)  # a share the profile stays under: no warning
+    wrapped = nn.Sequential(InlineAttention())  # as a model that holds it would name it: memory.blocks: ["0"]
+    as_block = profile_model(wrapped, attention_batch, CE, batches=(2, 4), blocks=["0"])
+    assert as_block.unprofiled_param_bytes == 0 and as_block.unprofiled_saved_bytes == 0 and not as_block.unprofiled()
+
+
+@pytest.mark.parametrize("model, batch", [(mlp, mlp_batch), (conv, conv_batch)], ids=["mlp", "conv"])
+def test_a_model_of_layers_alone_leaves_nothing_out(model, batch):
+    profile = profile_model(model(), batch, CE, batches=(2, 5))  # the loss's own saved input is not counted
+    assert profile.unprofiled_param_bytes == 0 and profile.unprofiled_saved_bytes == 0 and not profile.unprofiled()
+
+
 # ------------------------------------------------------------------ swap and recompute
 
 
