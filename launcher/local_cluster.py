@@ -101,24 +101,33 @@ def interrupted_exit_code(exc: KeyboardInterrupt) -> int:
     return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
-@contextlib.contextmanager
-def interrupt_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
-    """Turn ``signals`` into ``Interrupted`` in the main thread, so ``systemctl stop`` or a closed terminal
-    drain the cluster like Ctrl-C does instead of killing the launcher (and, by PR_SET_PDEATHSIG, every
-    child) at once. One is enough: a second one while the cluster drains is ignored, so the drain ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    seen: list[int] = []
+class SignalGate:
+    """Turns SIGTERM and SIGHUP into ``Interrupted`` while the cluster runs, and ignores them while it drains.
 
-    def handler(signum: int, frame: object) -> None:
-        if not seen:
-            seen.append(signum)
+    ``systemctl stop`` or a closed terminal then drain the cluster like Ctrl-C instead of killing the launcher
+    (and, by PR_SET_PDEATHSIG, every child) at once. One is enough: a signal that arrives while the cluster is
+    draining (after Ctrl-C, after an earlier signal, or after the job finished) is ignored, so the drain ends."""
+
+    def __init__(self) -> None:
+        self.draining = False
+
+    def handler(self, signum: int, frame: object) -> None:
+        if not self.draining:
+            self.draining = True
             raise Interrupted(signum)
 
-    previous = {signum: signal.signal(signum, handler) for signum in signals}
+
+@contextlib.contextmanager
+def interrupt_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[SignalGate]:
+    """A ``SignalGate`` for ``signals``, installed in the main thread for the ``with`` block (elsewhere, signals
+    cannot be handled: the gate is inert)."""
+    gate = SignalGate()
+    if threading.current_thread() is not threading.main_thread():
+        yield gate
+        return
+    previous = {signum: signal.signal(signum, gate.handler) for signum in signals}
     try:
-        yield
+        yield gate
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
@@ -496,7 +505,7 @@ def run_local(cluster: LocalCluster, policy: RestartPolicy | None = None) -> int
     signal after Ctrl-C, SIGTERM or SIGHUP, once the cluster is drained."""
     policy = policy or RestartPolicy()
     attempt = 0
-    with interrupt_on_signals():
+    with interrupt_on_signals() as gate:
         while True:
             try:
                 cluster.start()
@@ -528,7 +537,9 @@ def run_local(cluster: LocalCluster, policy: RestartPolicy | None = None) -> int
                 print(f"pstrain local: interrupted ({_signal_name(exc)}); stopping the cluster", file=sys.stderr)
                 return interrupted_exit_code(exc)
             finally:
+                gate.draining = True  # the drain runs to its end, whatever signal comes now
                 cluster.shutdown()
+            gate.draining = False
             try:
                 time.sleep(delay)  # restart backoff, not a wait for a peer
             except KeyboardInterrupt as exc:

@@ -12,7 +12,6 @@ pool as before. Callers see the same ``ServingServer`` either way.
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import gc
 import inspect
@@ -74,20 +73,17 @@ class PortInUse(BindError):
     later (exit 1, which systemd restarts), unlike the other ``BindError`` s."""
 
 
-def _port_in_use(address: str) -> bool:
-    """Whether binding ``address`` fails because the port is taken (gRPC's own error does not say why)."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
+def _host_is_ours(address: str) -> bool:
+    """Whether this host can listen on ``address``'s host at all (any port): then gRPC's failure to bind it was the
+    port, taken, or taken a moment ago by a process that has gone since (gRPC's own error does not say which)."""
+    host = address.rpartition(":")[0].strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
-            probe.bind((host if host not in ("", "*") else "", int(port)))
-    except OSError as exc:
-        return exc.errno == errno.EADDRINUSE
-    except ValueError:  # not host:port (a unix: address, say)
+            probe.bind((host if host not in ("", "*") else "", 0))
+    except OSError:
         return False
-    return False
+    return True
 
 
 def full_service_name(short: str) -> str:
@@ -182,12 +178,10 @@ def start_server(
         except RuntimeError as exc:  # gRPC's "Failed to bind to address"
             port, cause = 0, exc
         if port == 0:
-            if _port_in_use(address):
-                raise PortInUse(f"cannot listen on {address}: another process holds the port") from cause
-            tls = " or gRPC refused the TLS certificate and key (its log line above says which)" if credentials else ""
-            raise BindError(
-                f"cannot listen on {address}: the host has no such address{tls}; pass another --bind"
-            ) from cause
+            tls = " (or gRPC refused the TLS certificate and key: its log line above says which)" if credentials else ""
+            if _host_is_ours(address):  # the TLS files were checked before (``check_tls_files``): the port it is
+                raise PortInUse(f"cannot listen on {address}: another process holds the port{tls}") from cause
+            raise BindError(f"cannot listen on {address}: the host has no such address; pass another --bind") from cause
         return int(port)
 
     if aio:
@@ -336,19 +330,22 @@ def tolerant_handler(handler: grpc.RpcMethodHandler | None, method: str) -> grpc
 
 
 class _TolerantGeneric(grpc.GenericRpcHandler):
-    """A generic handler whose handlers get ``tolerant`` deserializers (made once per method)."""
+    """A generic handler whose handlers get ``tolerant`` deserializers (made once per method it serves; a name it
+    does not serve is not remembered, so callers cannot grow the cache with made-up method names)."""
 
     def __init__(self, inner: grpc.GenericRpcHandler) -> None:
         self._inner = inner
-        self._made: dict[str, grpc.RpcMethodHandler | None] = {}
+        self._made: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
-        try:
-            return self._made[method]
-        except KeyError:
-            made = self._made[method] = tolerant_handler(self._inner.service(handler_call_details), method)
-            return made
+        made = self._made.get(method)
+        if made is None:
+            made = tolerant_handler(self._inner.service(handler_call_details), method)
+            if made is None:
+                return None
+            self._made[method] = made
+        return made
 
 
 class TolerantRegistrar:

@@ -287,6 +287,33 @@ def test_sigterm_and_sighup_drain_the_cluster_like_ctrl_c(tmp_path, capsys, sign
     assert f"interrupted ({signal.Signals(signum).name}); stopping the cluster" in capsys.readouterr().err
 
 
+class CtrlCThenSigterm(Interrupting):
+    """Ctrl-C while the cluster starts, then ``systemctl stop`` (SIGTERM) while it drains."""
+
+    def start(self) -> None:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["after-ctrl-c", "after-the-job-finished"])
+def test_a_sigterm_while_the_cluster_drains_lets_the_drain_end(tmp_path, capsys, finished):
+    """A signal during a drain (one Ctrl-C started, or the end of a finished job) is ignored: the drain ends and the
+    exit code is the first cause's, not 143 with children killed halfway through their grace period."""
+
+    def unhandled(signum: int, frame: object) -> None:
+        raise NotHandled(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        cluster = CtrlCThenSigterm(tmp_path, signal.SIGTERM)
+        if finished:
+            cluster.start = lambda: None  # type: ignore[method-assign]
+            cluster.run = lambda: 3  # type: ignore[method-assign]
+        assert run_local_in_process(cluster, RestartPolicy(max_restarts=0)) == (0 if finished else 130)  # type: ignore[arg-type]
+        assert cluster.drained == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_child_that_cannot_be_restarted_gives_its_exit_code_and_its_error_in_one_line(tmp_path):
     """A setting only the children check (here an empty token file): exit 2 with the child's own message, as a
     bad job file does, not exit 1 with a log tail holding a traceback."""

@@ -128,3 +128,39 @@ def test_the_coordinator_refuses_malformed_requests(tmp_path, method, kind, mess
     finally:
         server.stop(0)
         job.close()
+
+
+def test_the_worker_refuses_malformed_requests(caplog):
+    from pstrain.worker.service import WorkerServicer
+
+    servicer = WorkerServicer(["cpu"])
+    server = start_server("127.0.0.1:0", [(pb_grpc.add_WorkerServicer_to_server, servicer)], ["Worker"])
+    try:
+        with open_channel(f"127.0.0.1:{server.port}") as channel:
+            assert_refused(channel, "/pstrain.v1.Worker/GetWorkerStatus", "unary", "WorkerStatusRequest", caplog)
+            status = pb_grpc.WorkerStub(channel).GetWorkerStatus(pb.WorkerStatusRequest(), timeout=10)
+        assert list(status.devices) == ["cpu"]
+    finally:
+        server.stop(0)
+
+
+def test_method_names_a_server_does_not_serve_are_not_remembered():
+    """Only the methods a handler serves are kept: calls to made-up names cannot grow a server's memory."""
+    from pstrain.runtime.transport import _TolerantGeneric
+
+    servicer = CoordinatorServicer.__new__(CoordinatorServicer)
+    inner = grpc.method_handlers_generic_handler(
+        "pstrain.v1.Coordinator",
+        {"GetJobStatus": grpc.unary_unary_rpc_method_handler(servicer.GetJobStatus, pb.JobStatusRequest.FromString)},
+    )
+    handler = _TolerantGeneric(inner)
+
+    class Details(grpc.HandlerCallDetails):
+        def __init__(self, method: str) -> None:
+            self.method, self.invocation_metadata = method, ()
+
+    for i in range(100):
+        assert handler.service(Details(f"/evil.Service/M{i}")) is None
+    served = handler.service(Details("/pstrain.v1.Coordinator/GetJobStatus"))
+    assert served is not None and handler.service(Details("/pstrain.v1.Coordinator/GetJobStatus")) is served
+    assert len(handler._made) == 1

@@ -6,6 +6,7 @@ import grpc
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.runtime.transport import abort_on_errors
 from pstrain.worker.trainer import TrainerProgress
 
 
@@ -15,6 +16,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.devices = devices
         self.progress = TrainerProgress()
 
+    @abort_on_errors({})  # a request that does not parse is INVALID_ARGUMENT, counted as a refusal (no traceback)
     def GetWorkerStatus(self, request: pb.WorkerStatusRequest, context: grpc.ServicerContext) -> pb.WorkerStatus:
         p = self.progress
         return pb.WorkerStatus(
