@@ -481,14 +481,31 @@ class _Within:
     push_timeout_s: float
 
     async def __call__(self, receiving: Awaitable[T]) -> T:
+        """Awaited in the caller's own task, not in one of its own as ``asyncio.wait_for`` does: there (before
+        Python 3.12) a cancel that came as the stream ended was lost, and a cancelled bulk push went on to wait
+        for its payload, holding the worker's socket until its timeout."""
+        task = asyncio.current_task()
+        assert task is not None
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.limit_s, expire)
         try:
-            return await asyncio.wait_for(receiving, self.limit_s)
-        except asyncio.TimeoutError:
+            return await receiving
+        except asyncio.CancelledError:
+            if not expired:
+                raise
             raise PayloadTimeout(
                 f"worker {self.worker_id}'s push payload did not arrive within {self.limit_s:.1f} s of its staging "
                 f"slot (transport.push_timeout_s is {self.push_timeout_s:g} s, or the call's deadline came first); "
                 "the slot is free again: send the whole payload, then close the stream"
             ) from None
+        finally:
+            timer.cancel()
 
 
 def _when_done(work: asyncio.Future[PushResult] | None, release: Callable[[], object]) -> None:
