@@ -38,12 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 from pstrain.planner.memory_plan import (  # noqa: E402
     MemoryBudget,
+    Policy,
     batch_limits,
     max_batch,
     plan_for_batch,
     s15_max_batch,
+    saved_on_device,
 )
-from pstrain.planner.profiler import ModelProfile, profile_model  # noqa: E402
+from pstrain.planner.profiler import ModelProfile, forward_saved_bytes, profile_model  # noqa: E402
 from pstrain.runtime.layout import ParamLayout  # noqa: E402
 from pstrain.runtime.units import parse_bytes  # noqa: E402
 from pstrain.worker.offload import SwapToHost, apply_layer_policies  # noqa: E402
@@ -147,6 +149,7 @@ def bench_model(
         offload_overhead=offload_s / kept_s - 1,
         limits=policy_limits(profile, budget),
         profile=profile,
+        recompute=recompute_rows(profile, build, sample, budget),
     )
     print(
         f"{name:<28} no swap {no_swap:>8}  with plan {with_plan:>8}  ({row['ratio']:.1f}x)  S1.5 {s15:>9}  | "
@@ -155,6 +158,57 @@ def bench_model(
         flush=True,
     )
     return row
+
+
+def saved_by_forward(model: nn.Module, policies: dict[str, str], inputs: torch.Tensor) -> int:
+    apply_layer_policies(model, policies, SwapToHost())
+    return forward_saved_bytes(model, inputs)
+
+
+def without_inputs(profile: ModelProfile) -> ModelProfile:
+    """The profile as the planner read it before 2026-11-27: a recompute layer held nothing."""
+    layers = tuple(
+        replace(la, input_bytes_per_sample=0.0, input_bytes_fixed=0.0, input_saved_by="", saves_input=False)
+        for la in profile.layers
+    )
+    return replace(profile, layers=layers)
+
+
+def recompute_rows(
+    profile: ModelProfile,
+    build: Callable[[], nn.Module],
+    sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    budget: MemoryBudget,
+) -> list[dict]:
+    """Recompute alone (a link too slow for any swap to hide): the largest batch each planner chose, and whether
+    it fits once the saved bytes are what the real forward under its policies leaves (per sample, as a slope)."""
+    slow = replace(budget, bandwidth_bytes_per_s=1.0, host_bytes=None)
+    rows = []
+    for planner, planned in (
+        ("counts what a checkpoint keeps", profile),
+        ("before: a checkpoint keeps nothing", without_inputs(profile)),
+    ):
+        batch = max_batch(planned, slow, allow_swap=True)
+        plan = plan_for_batch(planned, batch, slow)
+        policies = plan.policies()
+        torch.manual_seed(0)
+        real = [saved_by_forward(build(), policies, sample(n)[0]) for n in (4, 8)]
+        real_per_sample = (real[1] - real[0]) / 4
+        real_at = real[0] + real_per_sample * (batch - 4)
+        said = saved_on_device(planned, batch, {n: Policy(p) for n, p in policies.items()})
+        real_peak = plan.peak_bytes + (real_at - said) / (1 - slow.margin)
+        rows.append(
+            dict(
+                planner=planner,
+                batch=batch,
+                recomputed=len(policies),
+                said_per_sample=said / batch,
+                real_per_sample=real_per_sample,
+                real_peak_gib=real_peak / 2**30,
+                fits=real_peak <= slow.device_bytes,
+            )
+        )
+    return rows
 
 
 POLICIES = (("keep", False, False), ("swap activations", True, False), ("whole-layer offload", True, True))
@@ -184,6 +238,8 @@ def scaled_mlp(profile: ModelProfile, factor: int) -> ModelProfile:
             saved_bytes_per_sample=la.saved_bytes_per_sample * factor,
             saved_bytes_fixed=la.saved_bytes_fixed * factor,
             output_bytes_per_sample=la.output_bytes_per_sample * factor,
+            input_bytes_per_sample=la.input_bytes_per_sample * factor,
+            input_bytes_fixed=la.input_bytes_fixed * factor,
             forward_s=la.forward_s * factor * factor,
             backward_s=la.backward_s * factor * factor,
         )
@@ -303,6 +359,29 @@ def main() -> int:
             f"| {lim['policy']} | {lim['device']} | {lim['host']} | {lim['both']} | {lim['host_gib']:.1f} GiB | "
             f"{lim['binds']} |"
             for lim in big_rows
+        ],
+        "",
+    ]
+    lines += [
+        f"## Recompute alone: what a checkpoint keeps ({args.device_memory} device, no swap can hide)",
+        "",
+        "`torch.utils.checkpoint` keeps a recomputed layer's input until its backward, and a Linear or a ReLU saves "
+        "exactly its input or output, so recomputing one alone frees nothing. The planner now counts each recompute "
+        "layer's input (unless a kept layer saves it anyway) and the input a kept layer saves after a recomputed "
+        "one saved it first. Below, the plan when the link is too slow for any swap to hide (recompute only), "
+        "by this planner and by the one before it; *saved per sample, real*: what the forward under that plan "
+        "leaves for backward, measured with saved-tensor hooks at batches 4 and 8; *real peak*: the plan's peak "
+        "with those bytes in place of the planned ones.",
+        "",
+        "| model | planner | largest batch | layers recomputed | saved per sample, planned | saved per sample, real "
+        "| real peak | fits |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+        *[
+            f"| {r['model']} | {c['planner']} | {c['batch']} | {c['recomputed']} | {c['said_per_sample'] / 1024:.1f} "
+            f"KiB | {c['real_per_sample'] / 1024:.1f} KiB | {c['real_peak_gib']:.1f} GiB | "
+            f"{'yes' if c['fits'] else '**no**'} |"
+            for r in rows
+            for c in r["recompute"]
         ],
         "",
     ]

@@ -27,6 +27,7 @@ from pstrain.planner.memory_plan import (
     MemoryPlan,
     Policy,
     batch_limits,
+    held_inputs,
     largest_model,
     max_batch,
     plan_for_batch,
@@ -36,7 +37,7 @@ from pstrain.planner.profile_wire import check_profile
 from pstrain.planner.profiler import ModelProfile, profile_model
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import resolve_loss
-from pstrain.runtime.memory_trend import cgroup_memory_max, mem_available_bytes
+from pstrain.runtime.memory_trend import host_memory_for_offload
 from pstrain.runtime.optimizers import LARGE_BATCH, optimizer_entry
 from pstrain.runtime.sparse_rows import owned_by
 from pstrain.runtime.units import parse_bytes
@@ -77,12 +78,6 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
         dev.copy_(host, non_blocking=True)
     torch.cuda.synchronize(device)
     return 3 * nbytes / (time.perf_counter() - started)
-
-
-def default_host_memory() -> int | None:
-    """This host's memory for the workers' offload: the cgroup's memory.max when set, else MemAvailable."""
-    limit = cgroup_memory_max()
-    return limit if limit is not None else mem_available_bytes()
 
 
 def measure_host_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -142,7 +137,7 @@ def budget_for(
         rate_bytes,
         cfg.memory.margin,
         cfg.memory.prefetch,
-        host_bytes=parse_bytes(host) if host is not None else default_host_memory(),
+        host_bytes=parse_bytes(host) if host is not None else host_memory_for_offload(),
         devices_per_host=cfg.cluster.device_count,
         pinned_limit_bytes=parse_bytes(cfg.memory.pinned_limit),
         offload_params=cfg.memory.offload_params,
@@ -226,6 +221,12 @@ def plan_job(
     warnings = _lr_warnings(cfg, plan)
     if profile.unprofiled():
         warnings += (profile.unprofiled(),)
+    if limits.binding == "host" and (host_memory or cfg.memory.host_memory) is None:
+        warnings += (
+            f"the host limit binds the batch, and the host's memory ({_size(budget.host_bytes or 0)}) is this "
+            "coordinator's: right when the workers run here (pstrain local), else set memory.host_memory to a "
+            "worker host's (memory.probe: true re-plans with the master's own)",
+        )
     gpu_job = bool(cfg.memory.device_memory or device_memory) or planning_gpu(cfg) is not None
     if profile.device == "cpu" and gpu_job and not _only_cpus(cfg):
         then = (
@@ -355,6 +356,22 @@ def table_bytes_per_shard(cfg: JobConfig) -> int:
     return total
 
 
+def _held_lines(profile: ModelProfile, mem: MemoryPlan) -> list[str]:
+    """What the peak holds beyond the layers' own saved bytes, where there is any (see ``planner.memory_plan``)."""
+    lines = []
+    policies = {d.name: d.policy for d in mem.decisions}
+    held = held_inputs(profile, mem.batch, policies)
+    if held:
+        lines.append(f"inputs the recompute layers' checkpoints hold at batch {mem.batch}: {_size(held)}")
+    outside = 2 * profile.unprofiled_param_bytes + profile.unprofiled_saved(mem.batch)
+    if outside:
+        lines.append(
+            f"kept outside every layer at batch {mem.batch}: {_size(outside)} (parameters and gradients of modules "
+            "that are not layers, and what is saved for backward outside every layer's forward)"
+        )
+    return lines
+
+
 def describe(job: JobPlan) -> str:
     """The printout of ``pstrain plan``."""
     lines = []
@@ -380,6 +397,7 @@ def describe(job: JobPlan) -> str:
             f"at batch {mem.batch}: peak {_size(mem.peak_bytes)} of {_size(budget.device_bytes)} "
             f"({'fits' if mem.fits else 'DOES NOT FIT'}); swap {mem.swap_s * 1e3:.1f} ms under an overlap budget of "
             f"{mem.overlap_budget_s * 1e3:.1f} ms; recompute {mem.recompute_s * 1e3:.1f} ms",
+            *_held_lines(job.profile, mem),
             f"estimated worker memory: {_size(mem.peak_bytes)} per device, "
             f"{_size(sum(d.saved_bytes for d in mem.decisions if d.policy == Policy.SWAP))} of host memory "
             "per device for swapped activations",
@@ -478,6 +496,8 @@ class ProbePlanner:
         budget = self.budget
         if budget is None and profile.device_total_bytes > 0:
             budget = budget_for(cfg, device_memory=str(profile.device_total_bytes))
+        if budget is not None and cfg.memory.host_memory is None and profile.host_total_bytes > 0:
+            budget = replace(budget, host_bytes=profile.host_total_bytes)  # the master's host, not the coordinator's
         if budget is None:
             log.info("the master's %s profile arrived, but there is no device budget to plan with", profile.device)
             return None
@@ -535,4 +555,5 @@ def probe_setup(
         cfg.memory.max_probe_rounds,
         adopt=planner.adopt,
         policies=job_plan.layer_policies(),
+        batch=job_plan.plan.per_device_batch,  # the first report must be of this batch
     )

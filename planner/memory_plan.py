@@ -3,11 +3,18 @@
 Memory model of one training step at per-device batch B (bytes on the device):
 
     resident   parameters + gradients (the optimizer state lives on the PS, not the device)
-    kept       saved tensors of "keep" layers, all alive from their forward to their backward
+    kept       saved tensors of "keep" layers, all alive from their forward to their backward,
+               and what the profile found outside every layer (no policy can move it)
+    held       the inputs of "recompute" layers, which ``torch.utils.checkpoint`` keeps from the
+               forward to the backward, unless a kept layer saves that input anyway
     swapped    of "swap" layers, the one in flight plus the prefetch window (largest ones)
     recompute  one "recompute" layer's saved tensors at a time, rebuilt during backward
     temporary  gradient buffers in flight in backward: about twice the largest layer output
-    peak = (resident + kept + swapped + recompute + temporary) / (1 - margin)
+    peak = (resident + kept + held + swapped + recompute + temporary) / (1 - margin)
+
+So recomputing a layer frees its saved bytes less its input: nothing for a Linear or a ReLU,
+which save exactly their input or output, much for a block (a transformer block keeps one
+input and rebuilds everything its forward saved).
 
 Whole-layer offload (S1.4 in full, ``offload_params``): parameters and gradients leave the
 device too, so "resident" becomes the layers in flight: the running layer's parameters plus the
@@ -36,8 +43,9 @@ Greedy (S3.4): if everything fits kept, keep everything. Otherwise sort layers b
 swap cost / recompute cost, ascending (the layers that are relatively cheapest to swap
 first), ties broken by more bytes first (more memory freed per decision), and mark them
 "swap" while the summed swap cost stays under the overlap budget. If memory still does not
-fit, mark the remaining kept layers "recompute", most bytes freed per second of recompute
-first, until it fits. If even that does not fit, the batch is too large (``fits`` is False).
+fit, mark the remaining kept layers "recompute", most bytes freed (saved bytes less the input
+it then holds) per second of recompute first, and only layers that free anything, until it
+fits. If even that does not fit, the batch is too large (``fits`` is False).
 """
 
 from __future__ import annotations
@@ -137,23 +145,57 @@ def peak_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], b
     by_policy: dict[Policy, list[float]] = {p: [] for p in Policy}
     for layer in profile.layers:
         by_policy[policies.get(layer.name, Policy.KEEP)].append(saved(layer))
+    # Parameters of modules that are not layers stay on the device, whole-layer offload or not.
+    resident = 2 * profile.unprofiled_param_bytes
     if budget.offload_params:
         layer_params = sorted((layer.param_bytes for layer in profile.layers), reverse=True)
-        resident = sum(layer_params[: budget.prefetch + 1]) + max(layer_params, default=0)
+        resident += sum(layer_params[: budget.prefetch + 1]) + max(layer_params, default=0)
     else:
-        resident = 2 * profile.param_bytes
-    kept = sum(by_policy[Policy.KEEP])
+        resident += 2 * profile.param_bytes
+    kept = sum(by_policy[Policy.KEEP]) + profile.unprofiled_saved(batch)
+    held = held_inputs(profile, batch, policies)
     swapped = sum(sorted(by_policy[Policy.SWAP], reverse=True)[: budget.prefetch + 1])
     recompute = max(by_policy[Policy.RECOMPUTE], default=0.0)
     temporary = 2 * max((layer.output_bytes_per_sample * batch for layer in profile.layers), default=0.0)
-    return (resident + kept + swapped + recompute + temporary) / (1 - budget.margin)
+    return (resident + kept + held + swapped + recompute + temporary) / (1 - budget.margin)
+
+
+def held_inputs(profile: ModelProfile, batch: int, policies: dict[str, Policy]) -> float:
+    """Inputs left on the device that no kept layer's saved bytes count: see ``_input_held``."""
+    return sum(_input_held(layer, batch, policies) for layer in profile.layers)
+
+
+def _input_held(layer: LayerProfile, batch: int, policies: dict[str, Policy]) -> float:
+    """What ``layer``'s input adds to the device beyond the saved bytes of the kept layers.
+
+    A recompute layer's checkpoint holds its input, unless the kept layer that saved the input first (a ReLU
+    saving its output, the next Linear's input) holds it anyway. And a kept layer that saves its input after
+    that layer did (the Linear: the profile counts the bytes once, for the ReLU) holds it when that layer
+    recomputes, so recomputing the ReLU frees nothing. A swap layer's copy is on the host: a kept layer that saves
+    the same tensor shares the host copy (``worker.offload``), but a checkpoint holds the device tensor.
+    """
+    mine = policies.get(layer.name, Policy.KEEP)
+    if not layer.input_saved_by:
+        return layer.input_bytes(batch) if mine == Policy.RECOMPUTE else 0.0
+    first = policies.get(layer.input_saved_by, Policy.KEEP)
+    if first == Policy.KEEP:
+        return 0.0
+    if mine == Policy.RECOMPUTE or (mine == Policy.KEEP and layer.saves_input and first == Policy.RECOMPUTE):
+        return layer.input_bytes(batch)
+    return 0.0
+
+
+def saved_on_device(profile: ModelProfile, batch: int, policies: dict[str, Policy]) -> float:
+    """The saved bytes of the kept layers and the inputs held beyond them: what recompute decisions change."""
+    kept = sum(la.saved_bytes(batch) for la in profile.layers if policies.get(la.name, Policy.KEEP) == Policy.KEEP)
+    return kept + held_inputs(profile, batch, policies)
 
 
 def host_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], budget: MemoryBudget) -> float:
     """The whole host's memory for offload at ``batch``: see the module docstring."""
     swapped = sum(la.saved_bytes(batch) for la in profile.layers if policies.get(la.name) == Policy.SWAP)
-    staging = 0 if budget.offload_params else profile.param_bytes  # offload: the host's buffers are shared
-    return (swapped + staging) * budget.devices_per_host + 2 * profile.param_bytes
+    staging = 0 if budget.offload_params else profile.total_param_bytes  # offload: the host's buffers are shared
+    return (swapped + staging) * budget.devices_per_host + 2 * profile.total_param_bytes
 
 
 def plan_for_batch(
@@ -184,11 +226,22 @@ def plan_for_batch(
             spent += swap_s[layer.name]
             if fits():
                 break
+
+        def freed(layer: LayerProfile) -> float:
+            """What recomputing ``layer`` frees, the other layers' policies as they stand: its saved bytes, less
+            the inputs that its checkpoint, or the layers after it, then hold."""
+            before = saved_on_device(profile, batch, policies)
+            policies[layer.name] = Policy.RECOMPUTE
+            after = saved_on_device(profile, batch, policies)
+            policies[layer.name] = Policy.KEEP
+            return before - after
+
         kept = [la for la in candidates if policies[la.name] == Policy.KEEP]
-        for layer in sorted(kept, key=lambda la: -la.saved_bytes(batch) / max(recompute_s[la.name], 1e-9)):
+        for layer in sorted(kept, key=lambda la: -freed(la) / max(recompute_s[la.name], 1e-9)):
             if fits():
                 break
-            policies[layer.name] = Policy.RECOMPUTE
+            if freed(layer) > 0:  # a Linear or a ReLU alone frees nothing: its input stays
+                policies[layer.name] = Policy.RECOMPUTE
     decisions = tuple(
         LayerDecision(la.name, policies[la.name], la.saved_bytes(batch), swap_s[la.name], recompute_s[la.name])
         for la in profile.layers
@@ -254,14 +307,15 @@ def batch_limits(
 def largest_model(profile: ModelProfile, budget: MemoryBudget, allow_swap: bool, batch: int = 1) -> float:
     """The parameter bytes of the largest model of this shape (every layer's parameters scaled alike) that
     still plans at ``batch``: how far each policy stretches the device (and the host)."""
-    if profile.param_bytes == 0:
+    if profile.total_param_bytes == 0:
         return 0.0
 
     def fits(k: int) -> bool:
         layers = tuple(replace(la, param_bytes=la.param_bytes * k // 64) for la in profile.layers)
-        return plan_for_batch(replace(profile, layers=layers), batch, budget, allow_swap).fits
+        scaled = replace(profile, layers=layers, unprofiled_param_bytes=profile.unprofiled_param_bytes * k // 64)
+        return plan_for_batch(scaled, batch, budget, allow_swap).fits
 
-    return _largest(fits, 1 << 40) / 64 * profile.param_bytes
+    return _largest(fits, 1 << 40) / 64 * profile.total_param_bytes
 
 
 def s15_max_batch(profile: ModelProfile, device_bytes: int) -> int:

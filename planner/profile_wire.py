@@ -29,12 +29,20 @@ def profile_to_pb(profile: ModelProfile) -> pb.DeviceProfile:
                 output_bytes_per_sample=layer.output_bytes_per_sample,
                 forward_s=layer.forward_s,
                 backward_s=layer.backward_s,
+                input_bytes_per_sample=layer.input_bytes_per_sample,
+                input_bytes_fixed=layer.input_bytes_fixed,
+                input_saved_by=layer.input_saved_by,
+                saves_input=layer.saves_input,
             )
             for layer in profile.layers
         ],
         batch=profile.batch,
         device=profile.device,
         device_total_bytes=profile.device_total_bytes,
+        unprofiled_param_bytes=profile.unprofiled_param_bytes,
+        unprofiled_saved_per_sample=profile.unprofiled_saved_per_sample,
+        unprofiled_saved_fixed=profile.unprofiled_saved_fixed,
+        host_total_bytes=profile.host_total_bytes,
     )
 
 
@@ -48,10 +56,23 @@ def profile_from_pb(message: pb.DeviceProfile) -> ModelProfile:
             e.output_bytes_per_sample,
             e.forward_s,
             e.backward_s,
+            e.input_bytes_per_sample,
+            e.input_bytes_fixed,
+            e.input_saved_by,
+            e.saves_input,
         )
         for e in message.layers
     )
-    return ModelProfile(layers, message.batch, message.device, message.device_total_bytes)
+    return ModelProfile(
+        layers,
+        message.batch,
+        message.device,
+        message.device_total_bytes,
+        message.host_total_bytes,
+        message.unprofiled_param_bytes,
+        message.unprofiled_saved_per_sample,
+        message.unprofiled_saved_fixed,
+    )
 
 
 def check_profile(profile: ModelProfile, layer_names: Sequence[str] | None = None) -> None:
@@ -62,15 +83,16 @@ def check_profile(profile: ModelProfile, layer_names: Sequence[str] | None = Non
     """
     if profile.batch < 1:
         raise ValueError(f"batch must be at least 1, got {profile.batch}")
-    if profile.device_total_bytes < 0:
-        raise ValueError(f"device_total_bytes must be non-negative, got {profile.device_total_bytes}")
+    for key in ("device_total_bytes", "host_total_bytes"):
+        if getattr(profile, key) < 0:
+            raise ValueError(f"{key} must be non-negative, got {getattr(profile, key)}")
     if not profile.layers:
         raise ValueError("it has no layers")
+    for key in ("unprofiled_param_bytes", "unprofiled_saved_per_sample", "unprofiled_saved_fixed"):
+        _non_negative("", key, getattr(profile, key))
     for layer in profile.layers:
-        for key in ("param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample"):
+        for key in LAYER_FIGURES:
             _non_negative(layer.name, key, getattr(layer, key))
-        _non_negative(layer.name, "forward_s", layer.forward_s)
-        _non_negative(layer.name, "backward_s", layer.backward_s)
     names = [layer.name for layer in profile.layers]
     if len(set(names)) != len(names):
         raise ValueError(f"layer names repeat: {_few(sorted({n for n in names if names.count(n) > 1}))}")
@@ -81,11 +103,30 @@ def check_profile(profile: ModelProfile, layer_names: Sequence[str] | None = Non
             f"its layers {_few(names)} are not the model's {_few(list(layer_names))}"
             f" (unknown: {_few(unknown)}; missing: {_few(missing)})"
         )
+    for layer in profile.layers:
+        if layer.input_saved_by and (layer.input_saved_by == layer.name or layer.input_saved_by not in names):
+            raise ValueError(
+                f"layer {layer.name!r}: input_saved_by must name another of its layers or be empty, "
+                f"got {layer.input_saved_by!r}"
+            )
+
+
+LAYER_FIGURES = (
+    "param_bytes",
+    "saved_bytes_per_sample",
+    "saved_bytes_fixed",
+    "output_bytes_per_sample",
+    "forward_s",
+    "backward_s",
+    "input_bytes_per_sample",
+    "input_bytes_fixed",
+)
 
 
 def _non_negative(layer: str, key: str, value: float) -> None:
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"layer {layer!r}: {key} must be a finite non-negative number, got {value}")
+        where = f"layer {layer!r}: " if layer else ""
+        raise ValueError(f"{where}{key} must be a finite non-negative number, got {value}")
 
 
 def _few(names: list[str], shown: int = 6) -> str:

@@ -7,6 +7,11 @@ the bytes of the gradient flowing into it during backward (its output size), and
 and backward time. Saved tensors are seen through ``torch.autograd.graph.saved_tensors_hooks``;
 a storage is counted once, for the layer that saved it first, and parameters saved for backward
 are not activations and are not counted.
+
+It also measures each layer's input bytes and which other layer, if any, saves that input for
+backward: ``torch.utils.checkpoint`` keeps a recomputed layer's inputs from its forward to its
+backward, so recomputing a layer frees its saved bytes but holds its input unless a kept layer
+holds it anyway (a Linear after a ReLU: the ReLU saves its output, the Linear's input).
 """
 
 from __future__ import annotations
@@ -31,14 +36,25 @@ class LayerProfile:
     output_bytes_per_sample: float  # the gradient buffer backward allocates for this layer's output
     forward_s: float  # at the profile's reference batch
     backward_s: float
+    # What ``torch.utils.checkpoint`` keeps while the layer recomputes: its inputs, and the other layer that saves
+    # the (largest) input for its own backward first, if one does (then, kept, it holds those bytes anyway).
+    input_bytes_per_sample: float = 0.0
+    input_bytes_fixed: float = 0.0
+    input_saved_by: str = ""
+    # Whether the layer saves its input for backward itself, counted for ``input_saved_by`` if that one saved it
+    # first: then, while that layer recomputes, this one (kept) still holds the input.
+    saves_input: bool = False
 
     def saved_bytes(self, batch: int) -> float:
         return self.saved_bytes_fixed + self.saved_bytes_per_sample * batch
 
+    def input_bytes(self, batch: int) -> float:
+        return self.input_bytes_fixed + self.input_bytes_per_sample * batch
+
 
 UNPROFILED_SHARE = 0.1
 """The share of a profile's bytes that may belong to no layer before the plan warns (``ModelProfile.unprofiled``):
-a few bytes a model's own forward saves between its layers are no reason to."""
+a few bytes a model's own forward saves between its layers are no reason to (the plan counts them either way)."""
 
 
 @dataclass(frozen=True)
@@ -47,18 +63,30 @@ class ModelProfile:
     batch: int  # the reference batch the times were measured at
     device: str
     device_total_bytes: int = 0  # the device's memory when known (a worker's GPU); 0 for a CPU
-    # What no profiled layer holds, so the plan leaves it out (``unprofiled``): the parameters of modules that are
-    # neither layers nor inside one (a non-leaf module's own ``nn.Parameter``), and the bytes saved for backward at
-    # the reference batch while no layer ran (a parent's ``forward`` computing between its children).
+    host_total_bytes: int = 0  # the memory of the host that profiled, for offload, when it says (0: unknown)
+    # What no profiled layer holds, so no policy can swap or recompute it (the plan counts it as kept, and
+    # ``unprofiled`` says when it is much): the parameters of modules that are neither layers nor inside one (a
+    # non-leaf module's own ``nn.Parameter``), and the bytes saved for backward while no layer ran (a parent's
+    # ``forward`` computing between its children), per sample and fixed as a layer's.
     unprofiled_param_bytes: int = 0
-    unprofiled_saved_bytes: int = 0
+    unprofiled_saved_per_sample: float = 0.0
+    unprofiled_saved_fixed: float = 0.0
 
     @property
     def param_bytes(self) -> int:
+        """The parameters of the profiled layers (the ones a policy can move)."""
         return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Every trained parameter: the layers' and those of modules that are not layers."""
+        return self.param_bytes + self.unprofiled_param_bytes
 
     def saved_bytes(self, batch: int) -> float:
         return sum(layer.saved_bytes(batch) for layer in self.layers)
+
+    def unprofiled_saved(self, batch: int) -> float:
+        return self.unprofiled_saved_fixed + self.unprofiled_saved_per_sample * batch
 
     def step_s(self) -> float:
         return sum(layer.forward_s + layer.backward_s for layer in self.layers)
@@ -67,22 +95,22 @@ class ModelProfile:
         return max(self.layers, key=lambda layer: layer.saved_bytes_per_sample)
 
     def unprofiled(self, share: float = UNPROFILED_SHARE) -> str:
-        """What the plan leaves out and how to bring it in, or "" while that is below ``share`` of the bytes the
+        """What no layer holds and how to make it plannable, or "" while that is below ``share`` of the bytes the
         profile holds at its reference batch (parameters and saved tensors)."""
-        missed = self.unprofiled_param_bytes + self.unprofiled_saved_bytes
+        saved = round(self.unprofiled_saved(self.batch))
+        missed = self.unprofiled_param_bytes + saved
         if missed <= share * (self.param_bytes + self.saved_bytes(self.batch) + missed):
             return ""
         parts = []
         if self.unprofiled_param_bytes:
             parts.append(f"{self.unprofiled_param_bytes} B of parameters owned by modules that are not layers")
-        if self.unprofiled_saved_bytes:
-            outside = f"{self.unprofiled_saved_bytes} B saved for backward at batch {self.batch}"
-            parts.append(f"{outside} outside every layer's forward")
+        if saved:
+            parts.append(f"{saved} B saved for backward at batch {self.batch} outside every layer's forward")
         return (
-            "the per-layer profile misses " + " and ".join(parts) + ", so the memory plan leaves them out and may "
-            "choose a batch that does not fit: name the modules that compute in their own forward (attention "
-            "written inline, a positional nn.Parameter) in memory.blocks (the model itself cannot be one), or check "
-            "the batch with memory.probe: true"
+            "the per-layer profile misses " + " and ".join(parts) + ": the memory plan counts them as kept, since no "
+            "policy can swap or recompute what belongs to no layer, so the batch is smaller than it could be: name "
+            "the modules that compute in their own forward (attention written inline, a positional nn.Parameter) in "
+            "memory.blocks (the model itself cannot be one), or check the batch with memory.probe: true"
         )
 
 
@@ -99,18 +127,52 @@ class _Tracker:
     seen_storages: set[int] = field(default_factory=set)
     started: dict[str, float] = field(default_factory=dict)
     outside: int = 0  # bytes saved while no layer ran (between layers, in a parent's own forward, in the loss)
+    owner: dict[int, str] = field(default_factory=dict)  # storage -> the layer that saved it first ("": none ran)
+    inputs: dict[str, dict[int, int]] = field(default_factory=dict)  # layer -> its input storages' bytes
+    saves_input: set[str] = field(default_factory=set)  # layers that save one of their inputs for backward
+    # Every input storage noted, alive until the measurement ends: a freed one's address could be reused by a
+    # tensor a later layer saves, which would then pass for the owner of this layer's input.
+    alive: list[torch.UntypedStorage] = field(default_factory=list)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
+        if self.current and ptr in self.inputs.get(self.current[-1], {}):
+            self.saves_input.add(self.current[-1])
         if ptr not in self.param_ptrs and ptr not in self.seen_storages:
             self.seen_storages.add(ptr)
             if self.current:
                 layer = self.current[-1]
                 self.saved[layer] = self.saved.get(layer, 0) + storage.nbytes()
+                self.owner[ptr] = layer
             else:
                 self.outside += storage.nbytes()
+                self.owner[ptr] = ""
         return tensor
+
+    def enter(self, layer: str, args: tuple[object, ...]) -> None:
+        """Note the storages of ``layer``'s tensor inputs (what a checkpoint of it would keep), once per layer."""
+        held = self.inputs.setdefault(layer, {})
+        for arg in args:
+            for tensor in arg if isinstance(arg, (tuple, list)) else (arg,):
+                if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.numel():
+                    storage = tensor.untyped_storage()
+                    ptr = storage.data_ptr()
+                    if ptr not in self.param_ptrs and ptr not in held:
+                        held[ptr] = storage.nbytes()
+                        self.alive.append(storage)
+        self.current.append(layer)
+
+    def input_bytes(self, layer: str) -> int:
+        return sum(self.inputs.get(layer, {}).values())
+
+    def input_saved_by(self, layer: str) -> str:
+        """The other layer that saves ``layer``'s largest input for its own backward, or ""."""
+        held = self.inputs.get(layer, {})
+        if not held:
+            return ""
+        owner = self.owner.get(max(held, key=lambda ptr: held[ptr]), "")
+        return "" if owner == layer else owner
 
 
 def layer_modules(model: nn.Module, blocks: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
@@ -145,9 +207,9 @@ def _measure(
     handles = []
 
     def pre(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: object) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
             _sync(device)
-            tracker.current.append(name)
+            tracker.enter(name, args)
             tracker.started[name] = time.perf_counter()
 
         return hook
@@ -196,6 +258,7 @@ def _measure(
         for handle in handles:
             handle.remove()
         model.zero_grad(set_to_none=True)
+        tracker.alive.clear()
     return tracker
 
 
@@ -217,37 +280,73 @@ def profile_model(
     if not layers:
         raise ValueError("the model has no layers to profile")
     _measure(model, layers, *sample(small), loss_fn, device)  # warm-up: allocator, kernels, lazy init
-    a = _measure(model, layers, *sample(small), loss_fn, device)
-    inputs, targets = sample(large)
-    b = _measure(model, layers, inputs, targets, loss_fn, device)
-    loss_only = _loss_saved_bytes(model, inputs, targets, loss_fn, device)
+    small_batch = sample(small)
+    a = _measure(model, layers, *small_batch, loss_fn, device)
+    large_batch = sample(large)
+    b = _measure(model, layers, *large_batch, loss_fn, device)
+
+    def per_sample(at_small: float, at_large: float) -> tuple[float, float]:
+        """The slope between the two batches and the batch-independent rest (never negative)."""
+        slope = (at_large - at_small) / (large - small)
+        return slope, max(0.0, at_small - slope * small)
+
     profiles = []
     for name, module in layers:
-        slope = (b.saved.get(name, 0) - a.saved.get(name, 0)) / (large - small)
-        out_slope = (b.outputs.get(name, 0) - a.outputs.get(name, 0)) / (large - small)
+        saved_slope, saved_fixed = per_sample(a.saved.get(name, 0), b.saved.get(name, 0))
+        input_slope, input_fixed = per_sample(a.input_bytes(name), b.input_bytes(name))
         params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         profiles.append(
             LayerProfile(
                 name=name,
                 param_bytes=params,
-                saved_bytes_per_sample=slope,
-                saved_bytes_fixed=max(0.0, a.saved.get(name, 0) - slope * small),
-                output_bytes_per_sample=out_slope,
+                saved_bytes_per_sample=saved_slope,
+                saved_bytes_fixed=saved_fixed,
+                output_bytes_per_sample=(b.outputs.get(name, 0) - a.outputs.get(name, 0)) / (large - small),
                 forward_s=b.forward_s.get(name, 0.0),
                 backward_s=b.backward_s.get(name, 0.0),
+                input_bytes_per_sample=input_slope,
+                input_bytes_fixed=input_fixed,
+                input_saved_by=b.input_saved_by(name),
+                saves_input=name in b.saves_input,
             )
         )
     in_layers = {id(p) for _, module in layers for p in module.parameters()}
     unprofiled_params = sum(
         p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in in_layers
     )
+    outside_slope, outside_fixed = per_sample(
+        max(0, a.outside - _loss_saved_bytes(model, *small_batch, loss_fn, device)),
+        max(0, b.outside - _loss_saved_bytes(model, *large_batch, loss_fn, device)),
+    )
     return ModelProfile(
         tuple(profiles),
         large,
         str(device),
         unprofiled_param_bytes=unprofiled_params,
-        unprofiled_saved_bytes=max(0, b.outside - loss_only),
+        unprofiled_saved_per_sample=max(0.0, outside_slope),
+        unprofiled_saved_fixed=outside_fixed,
     )
+
+
+def forward_saved_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
+    """What one forward of ``model`` leaves for backward: each storage saved for it once, parameters aside.
+
+    The plan's check against the real thing: a layer that recomputes (``torch.utils.checkpoint``, non-reentrant)
+    saves its inputs before its own hooks take over the layer's saved tensors, so this outer hook sees exactly what
+    stays on the device until backward, whatever the layers' policies.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(inputs)
+    return sum(saved.values())
 
 
 def _loss_saved_bytes(

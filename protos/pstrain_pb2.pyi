@@ -519,7 +519,7 @@ class ProbeReport(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_peak_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
 
 class LayerProfileEntry(_message.Message):
-    __slots__ = ("name", "param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample", "forward_s", "backward_s")
+    __slots__ = ("name", "param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample", "forward_s", "backward_s", "input_bytes_per_sample", "input_bytes_fixed", "input_saved_by", "saves_input")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAVED_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
@@ -527,6 +527,10 @@ class LayerProfileEntry(_message.Message):
     OUTPUT_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_BYTES_FIXED_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SAVED_BY_FIELD_NUMBER: _ClassVar[int]
+    SAVES_INPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     param_bytes: int
     saved_bytes_per_sample: float
@@ -534,19 +538,31 @@ class LayerProfileEntry(_message.Message):
     output_bytes_per_sample: float
     forward_s: float
     backward_s: float
-    def __init__(self, name: _Optional[str] = ..., param_bytes: _Optional[int] = ..., saved_bytes_per_sample: _Optional[float] = ..., saved_bytes_fixed: _Optional[float] = ..., output_bytes_per_sample: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ...) -> None: ...
+    input_bytes_per_sample: float
+    input_bytes_fixed: float
+    input_saved_by: str
+    saves_input: bool
+    def __init__(self, name: _Optional[str] = ..., param_bytes: _Optional[int] = ..., saved_bytes_per_sample: _Optional[float] = ..., saved_bytes_fixed: _Optional[float] = ..., output_bytes_per_sample: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., input_bytes_per_sample: _Optional[float] = ..., input_bytes_fixed: _Optional[float] = ..., input_saved_by: _Optional[str] = ..., saves_input: _Optional[bool] = ...) -> None: ...
 
 class DeviceProfile(_message.Message):
-    __slots__ = ("layers", "batch", "device", "device_total_bytes")
+    __slots__ = ("layers", "batch", "device", "device_total_bytes", "unprofiled_param_bytes", "unprofiled_saved_per_sample", "unprofiled_saved_fixed", "host_total_bytes")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNPROFILED_PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNPROFILED_SAVED_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    UNPROFILED_SAVED_FIXED_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerProfileEntry]
     batch: int
     device: str
     device_total_bytes: int
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfileEntry, _Mapping]]] = ..., batch: _Optional[int] = ..., device: _Optional[str] = ..., device_total_bytes: _Optional[int] = ...) -> None: ...
+    unprofiled_param_bytes: int
+    unprofiled_saved_per_sample: float
+    unprofiled_saved_fixed: float
+    host_total_bytes: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerProfileEntry, _Mapping]]] = ..., batch: _Optional[int] = ..., device: _Optional[str] = ..., device_total_bytes: _Optional[int] = ..., unprofiled_param_bytes: _Optional[int] = ..., unprofiled_saved_per_sample: _Optional[float] = ..., unprofiled_saved_fixed: _Optional[float] = ..., host_total_bytes: _Optional[int] = ...) -> None: ...
 
 class ProbeVerdict(_message.Message):
     __slots__ = ("done", "job", "limit_bytes", "message")

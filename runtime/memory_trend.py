@@ -247,6 +247,14 @@ def cgroup_memory_max(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path 
     return None
 
 
+def host_memory_for_offload() -> int | None:
+    """This host's memory for the workers' offload: the cgroup's memory.max when set, else MemAvailable. The
+    coordinator plans with its own (right when the workers run on its host, ``pstrain local``); a probing master
+    reports its host's with its profile."""
+    limit = cgroup_memory_max()
+    return limit if limit is not None else mem_available_bytes()
+
+
 def host_memory_limit(rss: int) -> MemoryLimit | None:
     """What this process may grow to: the lower of its cgroup's limit and its RSS plus the host's MemAvailable."""
     limits = []

@@ -27,6 +27,16 @@ def odd_mlp(inputs: int = 5, hidden: int = 7, classes: int = 4) -> nn.Module:
     return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
 
 
+def blocked_mlp(inputs: int = 5, hidden: int = 7, classes: int = 4) -> nn.Module:
+    """Two blocks (``memory.blocks: ["0", "1"]``) of two Linear+Tanh each, then a head: recomputing a block frees
+    what it saves inside, where recomputing a lone Linear or Tanh frees nothing (its input stays)."""
+
+    def block(width: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+
+    return nn.Sequential(block(inputs), block(hidden), nn.Linear(hidden, classes))
+
+
 def bn_mlp() -> nn.Module:
     """Has buffers (BatchNorm running statistics) that must reach model.pt."""
     return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 4))

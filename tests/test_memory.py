@@ -2,7 +2,9 @@
 
 import logging
 import math
+import random
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +15,17 @@ from pstrain.coordinator.errors import ConfigError
 from pstrain.coordinator.plan import make_plan
 from pstrain.coordinator.planning import describe, plan_job
 from pstrain.planner.memory_estimate import EstimateMode, EstimatePolicy, IterativeEstimate, Probe
-from pstrain.planner.memory_plan import MemoryBudget, Policy, max_batch, plan_for_batch, s15_max_batch
-from pstrain.planner.profiler import LayerProfile, ModelProfile, profile_model
+from pstrain.planner.memory_plan import (
+    MemoryBudget,
+    Policy,
+    host_bytes,
+    max_batch,
+    peak_bytes,
+    plan_for_batch,
+    s15_max_batch,
+    saved_on_device,
+)
+from pstrain.planner.profiler import LayerProfile, ModelProfile, forward_saved_bytes, profile_model
 from pstrain.runtime.units import parse_bytes
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 from tests.helpers import classification_set
@@ -112,18 +123,32 @@ def attention_batch(n):
 def test_the_profile_names_what_no_layer_holds_and_the_plan_warns():
     profile = profile_model(InlineAttention(), attention_batch, CE, batches=(2, 4))
     assert profile.unprofiled_param_bytes == 12 * 16 * 4  # pos
-    assert profile.unprofiled_saved_bytes >= 4 * 12 * 12 * 4  # at least the softmax output at batch 4
+    assert profile.unprofiled_saved(4) >= 4 * 12 * 12 * 4  # at least the softmax output at batch 4
     assert "memory.blocks" in profile.unprofiled()
     assert not profile.unprofiled(share=1.0)  # a share the profile stays under: no warning
     wrapped = nn.Sequential(InlineAttention())  # as a model that holds it would name it: memory.blocks: ["0"]
     as_block = profile_model(wrapped, attention_batch, CE, batches=(2, 4), blocks=["0"])
-    assert as_block.unprofiled_param_bytes == 0 and as_block.unprofiled_saved_bytes == 0 and not as_block.unprofiled()
+    assert as_block.unprofiled_param_bytes == 0 and as_block.unprofiled_saved(4) == 0 and not as_block.unprofiled()
+
+
+def test_the_plan_counts_what_no_layer_holds_as_kept():
+    profile = profile_model(InlineAttention(), attention_batch, CE, batches=(2, 4))
+    bare = replace(profile, unprofiled_param_bytes=0, unprofiled_saved_per_sample=0.0, unprofiled_saved_fixed=0.0)
+    budget = MemoryBudget(device_bytes=10**9, bandwidth_bytes_per_s=1e10, host_bytes=10**9)
+    for batch in (1, 7, 300):
+        extra = peak_bytes(profile, batch, {}, budget) - peak_bytes(bare, batch, {}, budget)
+        expected = (2 * profile.unprofiled_param_bytes + profile.unprofiled_saved(batch)) / (1 - budget.margin)
+        assert extra == pytest.approx(expected) and extra > 0
+        # the host's staging buffer and the worker's sum and parameters hold every parameter, a layer's or not
+        more_host = host_bytes(profile, batch, {}, budget) - host_bytes(bare, batch, {}, budget)
+        assert more_host == 3 * profile.unprofiled_param_bytes
+    assert max_batch(profile, budget, allow_swap=True) < max_batch(bare, budget, allow_swap=True)
 
 
 @pytest.mark.parametrize("model, batch", [(mlp, mlp_batch), (conv, conv_batch)], ids=["mlp", "conv"])
 def test_a_model_of_layers_alone_leaves_nothing_out(model, batch):
     profile = profile_model(model(), batch, CE, batches=(2, 5))  # the loss's own saved input is not counted
-    assert profile.unprofiled_param_bytes == 0 and profile.unprofiled_saved_bytes == 0 and not profile.unprofiled()
+    assert profile.unprofiled_param_bytes == 0 and profile.unprofiled_saved(5) == 0 and not profile.unprofiled()
 
 
 # ------------------------------------------------------------------ swap and recompute
@@ -361,6 +386,89 @@ def test_recompute_takes_over_when_swapping_would_not_hide():
     plan = plan_for_batch(profile, 1000, slow)
     assert plan.fits and Policy.RECOMPUTE.value in plan.policies().values()
     assert plan.swap_s <= plan.overlap_budget_s or "swap" not in plan.policies().values()
+
+
+class Residual(nn.Module):
+    """A transformer-style feed-forward block: recomputing it keeps its input and rebuilds four saved tensors."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm, self.up, self.act, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class MeanPool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+def residual_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), Residual(), Residual(), Residual(), MeanPool(), nn.Linear(32, 5))
+
+
+def residual_batch(n):
+    return torch.randn(n, 8, 16), torch.randint(0, 5, (n,))
+
+
+def graph_saved_bytes(model: nn.Module, policies: dict[str, str], inputs: torch.Tensor) -> int:
+    apply_layer_policies(model, policies, SwapToHost())
+    return forward_saved_bytes(model, inputs)
+
+
+@pytest.mark.parametrize(
+    "model, batch, blocks, exact",
+    [
+        (lambda: mlp(depth=4), mlp_batch, [], True),
+        (residual_net, residual_batch, [], True),
+        (residual_net, residual_batch, ["1", "2", "3"], True),
+        (conv, conv_batch, [], False),  # Flatten's input is the next Linear's (a view): recomputing both, twice
+    ],
+    ids=["mlp", "residual layers", "residual blocks", "conv"],
+)
+def test_the_plan_counts_what_recompute_leaves_on_the_device(model, batch, blocks, exact):
+    """Under any mix of keep and recompute, the plan's saved bytes are what the real forward leaves (never less)."""
+    profile = profile_model(model(), batch, CE, batches=(2, 5), blocks=blocks)
+    inputs, _ = batch(6)
+    names = [layer.name for layer in profile.layers]
+    rng = random.Random(0)
+    mixes: list[dict[str, str]] = [{}, dict.fromkeys(names, "recompute")]
+    mixes += [{n: rng.choice(["keep", "recompute"]) for n in names} for _ in range(40)]
+    for mix in mixes:
+        recompute = {n: p for n, p in mix.items() if p == "recompute"}
+        real = graph_saved_bytes(model(), recompute, inputs)
+        planned = saved_on_device(profile, 6, {n: Policy(p) for n, p in mix.items()}) + profile.unprofiled_saved(6)
+        if exact:
+            assert planned == pytest.approx(real), mix
+        else:
+            assert planned >= real, mix
+
+
+def test_recomputing_a_lone_linear_or_relu_frees_nothing_so_the_plan_does_not():
+    profile = profile_model(mlp(hidden=256, depth=6), mlp_batch, CE, batches=(2, 5))
+    slow = MemoryBudget(device_bytes=4 * profile.param_bytes, bandwidth_bytes_per_s=1e3)  # no swap can hide
+    keep_only = max_batch(profile, slow, allow_swap=False)
+    assert max_batch(profile, slow, allow_swap=True) == keep_only > 0
+    beyond = plan_for_batch(profile, keep_only + 1, slow)
+    assert not beyond.fits and beyond.policies() == {}  # nothing recomputed for nothing
+
+
+def test_recomputing_a_block_frees_what_it_saves_less_its_input():
+    profile = profile_model(residual_net(), residual_batch, CE, batches=(2, 5), blocks=["1", "2", "3"])
+    block = next(la for la in profile.layers if la.name == "2")
+    # its input is block 1's sum (which saves nothing), saved by its own LayerNorm first
+    assert block.input_bytes_per_sample == 8 * 32 * 4 and block.input_saved_by == "" and block.saves_input
+    assert block.saved_bytes_per_sample > 4 * block.input_bytes_per_sample
+    slow = MemoryBudget(device_bytes=4 * profile.param_bytes + 400_000, bandwidth_bytes_per_s=1e3)
+    keep_only = max_batch(profile, slow, allow_swap=False)
+    best = max_batch(profile, slow, allow_swap=True)
+    plan = plan_for_batch(profile, best, slow)
+    assert best > 2 * keep_only and set(plan.policies().values()) == {"recompute"}
+    assert plan.peak_bytes == pytest.approx(
+        peak_bytes(profile, best, {n: Policy.RECOMPUTE for n in plan.policies()}, slow)
+    )
 
 
 def test_nothing_fits_reports_zero():

@@ -34,6 +34,7 @@ from pstrain.worker.probe import device_profile
 from tests.helpers import classification_set, pids_with_marker, run_local, write_job
 
 MiB = 1 << 20
+CE = torch.nn.functional.cross_entropy
 
 RAW = {
     "model": {"factory": "tests.helpers:odd_mlp", "kwargs": {"inputs": 64, "hidden": 256, "classes": 4}},
@@ -43,8 +44,12 @@ RAW = {
 }
 
 
-def setup_for(memory: dict[str, object], batch: object = 64):
-    cfg = parse_config({**RAW, "batch": {"per_device": batch, "lr_scaling": "none"}, "memory": memory})
+BLOCKED = {"factory": "tests.helpers:blocked_mlp", "kwargs": {"inputs": 64, "hidden": 128, "classes": 4}}
+
+
+def setup_for(memory: dict[str, object], batch: object = 64, model: dict[str, object] | None = None):
+    raw = {**RAW, "model": model or RAW["model"]}
+    cfg = parse_config({**raw, "batch": {"per_device": batch, "lr_scaling": "none"}, "memory": memory})
     model = ModelState(cfg)
     job_plan = plan_job(cfg, model.model, classification_set(4096, inputs=64), model.layout.total)
 
@@ -67,7 +72,15 @@ TIGHT = {"probe": True, "device_memory": "200KiB", "bandwidth": "1GB/s", "policy
 def test_the_profile_survives_the_wire():
     _, job_plan, _ = setup_for(TIGHT)
     assert job_plan.profile is not None
-    profile = replace(job_plan.profile, device="cuda:3", device_total_bytes=80 << 30)
+    profile = replace(
+        job_plan.profile,
+        device="cuda:3",
+        device_total_bytes=80 << 30,
+        unprofiled_param_bytes=768,
+        unprofiled_saved_per_sample=2112.0,
+        unprofiled_saved_fixed=64.0,
+    )
+    assert any(la.input_saved_by and la.saves_input for la in profile.layers)  # a Linear after a ReLU
     message = pb.ProbeReport(worker_id=0, per_device_batch=64, profile=profile_to_pb(profile))
     assert profile_from_pb(pb.ProbeReport.FromString(message.SerializeToString()).profile) == profile
     assert _probe_report(message).probe.profile == profile  # the servicer hands it to the session
@@ -82,7 +95,8 @@ def test_the_profile_survives_the_wire():
     ],
 )
 def test_the_decisions_follow_the_reported_times(forward_s, backward_s, chosen):
-    _, job_plan, setup = setup_for(TIGHT)
+    # Blocks: recomputing one frees what it saves inside; a lone Linear or Tanh would free nothing.
+    _, job_plan, setup = setup_for({**TIGHT, "blocks": ["0", "1"]}, model=BLOCKED)
     assert setup is not None and job_plan.profile is not None
     session = ProbeSession(setup)
     reported = timed(job_plan.profile, forward_s, backward_s)
@@ -125,6 +139,47 @@ def test_an_auto_batch_is_re_chosen_from_the_device_profile_and_later_shrinks_us
     assert 0 < after < before  # twice the activations per sample: a smaller batch fits
     shrink = session.judge(Probe(after, 4 * MiB, 10 * MiB))  # overflowed anyway: shrink, still from the new profile
     assert shrink.replanned is not None and shrink.replanned[1].memory_profile == "cuda:0 on worker 0 (probe)"
+
+
+@pytest.mark.parametrize("job_file_host", [None, "64GiB"])
+def test_an_auto_batch_is_planned_for_the_masters_host_memory_unless_the_job_file_names_one(job_file_host):
+    """Without ``memory.host_memory`` the coordinator's own host memory is only a stand-in for the workers' (right
+    for pstrain local); the probing master reports its host's, and the swap plan's host limit uses that."""
+    memory = {"probe": True, "device_memory": "1MiB", "policy": "swap", "host_memory": job_file_host}
+    _, job_plan, setup = setup_for({k: v for k, v in memory.items() if v is not None}, batch="auto")
+    assert setup is not None and job_plan.profile is not None and job_plan.memory is not None
+    before = job_plan.plan.per_device_batch
+    small_host = int(job_plan.memory.host_bytes / 4)  # the master's host holds a quarter of what the plan needs
+    reported = replace(job_plan.profile, device="cuda:0", host_total_bytes=small_host)
+    judgement = ProbeSession(setup).judge(Probe(before, 1 * MiB, 10 * MiB, profile=reported))
+    assert judgement.replanned is not None
+    after = judgement.replanned[1].per_device_batch
+    if job_file_host is None:
+        assert 0 < after < before  # the host limit binds, at the master's host
+    else:
+        assert after == before  # the job file's figure stands
+
+
+def test_a_plan_whose_batch_the_coordinators_own_host_memory_binds_says_so(monkeypatch):
+    import pstrain.coordinator.planning as planning
+
+    monkeypatch.setattr(planning, "host_memory_for_offload", lambda: 1 * MiB)  # a coordinator on a small host
+    _, job_plan, _ = setup_for({"device_memory": "64MiB", "policy": "swap"}, batch="auto")
+    assert job_plan.limits is not None and job_plan.limits.binding == "host"
+    assert any("this coordinator's" in w and "memory.host_memory" in w for w in job_plan.warnings)
+    _, named, _ = setup_for({"device_memory": "64MiB", "policy": "swap", "host_memory": "1MiB"}, batch="auto")
+    assert named.limits is not None and named.limits.binding == "host"
+    assert not any("this coordinator's" in w for w in named.warnings)  # the job file named it: nothing to say
+
+
+def test_the_worker_reports_its_hosts_memory_with_its_profile():
+    cfg, job_plan, _ = setup_for(TIGHT)
+    spec = job_spec(cfg, job_plan.plan, ModelState(cfg).layout, "job")
+    data = classification_set(64, inputs=64)
+    message = device_profile(
+        spec, torch.device("cpu"), lambda n: (data.tensors[0][:n].clone(), data.tensors[1][:n].clone()), CE
+    )
+    assert message.host_total_bytes > 0  # /proc/meminfo, or the cgroup's memory.max
 
 
 def test_a_cpu_stand_in_profile_without_a_budget_leaves_the_plan_alone():
@@ -206,12 +261,35 @@ def _bad_profiles(profile: ModelProfile) -> dict[str, tuple[ModelProfile, str]]:
             replace(profile, layers=(replace(first, saved_bytes_per_sample=-1.0), *profile.layers[1:])),
             "layer '0': saved_bytes_per_sample must be a finite non-negative number",
         ),
+        "an unknown input owner": (
+            replace(profile, layers=(replace(first, input_saved_by="nope"), *profile.layers[1:])),
+            "layer '0': input_saved_by must name another of its layers or be empty, got 'nope'",
+        ),
+        "its own input owner": (
+            replace(profile, layers=(replace(first, input_saved_by="0"), *profile.layers[1:])),
+            "layer '0': input_saved_by must name another",
+        ),
+        "infinite unprofiled bytes": (
+            replace(profile, unprofiled_saved_per_sample=float("inf")),
+            "unprofiled_saved_per_sample must be a finite non-negative number, got inf",
+        ),
     }
 
 
 @pytest.mark.parametrize(
     "case",
-    ["batch 0", "no layers", "unknown layers", "a layer missing", "a repeated layer", "NaN time", "negative bytes"],
+    [
+        "batch 0",
+        "no layers",
+        "unknown layers",
+        "a layer missing",
+        "a repeated layer",
+        "NaN time",
+        "negative bytes",
+        "an unknown input owner",
+        "its own input owner",
+        "infinite unprofiled bytes",
+    ],
 )
 def test_a_malformed_device_profile_is_refused_and_changes_nothing(case):
     _, job_plan, setup = setup_for(TIGHT)

@@ -30,6 +30,7 @@ from pstrain.planner.profile_wire import profile_to_pb
 from pstrain.planner.profiler import profile_model
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.factories import LossFn, build_model
+from pstrain.runtime.memory_trend import host_memory_for_offload
 from pstrain.runtime.sparse_rows import TableSpec
 from pstrain.worker.replicas import ReplicaSet
 from pstrain.worker.row_store import HostRowStore
@@ -213,4 +214,5 @@ def device_profile(
         if device.type == "cuda":
             torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
-    return profile_to_pb(replace(profile, device_total_bytes=total))
+    host = host_memory_for_offload() or 0  # the coordinator's own host may not be this one
+    return profile_to_pb(replace(profile, device_total_bytes=total, host_total_bytes=host))
