@@ -366,13 +366,16 @@ class MemoryConfig:
     target_utilization: float = 0.85
     """Iterative mode: accept a limit once the probe's peak uses at most this fraction of it."""
     max_probe_rounds: int = 4
-    """Shrink-and-probe-again rounds before the job fails."""
+    """How often the batch may shrink and the master probe again; the overflow after the last shrink fails the
+    job (so up to N + 1 probes overflow in all)."""
     offload_params: bool = False
     """S1.4 in full: each layer's parameters come to the device just before its forward and backward and its
     gradient leaves for the host as soon as it is computed, so device memory holds about one layer."""
     host_memory: str | None = None
-    """Host memory the workers' offload may use per host ("64GiB"); default: this host's available memory,
-    or the cgroup memory.max when set. The largest batch is the smaller of device-fit and host-fit."""
+    """Host memory the workers' offload may use per host ("64GiB"); default: the coordinator's host's cgroup
+    memory.max when set, else its available memory. That default is right where the workers share the
+    coordinator's host (``pstrain local``); on a deployment whose workers run elsewhere it is another machine's
+    figure, so set this to the workers'. The largest batch is the smaller of device-fit and host-fit."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "memory")

@@ -7,7 +7,8 @@ figure the coordinator estimates what every worker needs by one of S2.2's modes:
 * increment: actual + increment
 * iterative: limit = actual + increment; run one iteration under that limit and watch the
              utilisation (peak / limit); accept once it is at most the target utilisation,
-             else raise the limit by the increment and try again.
+             else raise the limit by the increment and try again; never past the device's
+             memory (accepted, with a warning, once the limit reaches it).
 
 If the probe's real peak exceeds the device memory, the plan was wrong: the batch shrinks in
 proportion (with the margin) and is re-planned and probed again.
@@ -54,12 +55,41 @@ class Probe:
 
 
 class IterativeEstimate:
-    """The S2.2(c) loop as a state machine the coordinator drives one probe at a time."""
+    """The S2.2(c) loop as a state machine the coordinator drives one probe at a time.
 
-    def __init__(self, policy: EstimatePolicy, actual_bytes: int) -> None:
+    ``cap_bytes`` is the device's memory. A limit past it means nothing: the worker clamps
+    ``set_per_process_memory_fraction`` at 1 (CUDA refuses more), so such a trial only repeats the first
+    probe, which ran on the whole device, and the estimate handed to the operator would exceed the GPU.
+    So the limit never grows past the cap; once it reaches it the loop stops and accepts it, with a warning.
+    """
+
+    def __init__(self, policy: EstimatePolicy, actual_bytes: int, cap_bytes: int | None = None) -> None:
         self.policy = policy
-        self.limit = actual_bytes + policy.increment_bytes
+        self.cap_bytes = cap_bytes if cap_bytes is not None and cap_bytes > 0 else None
+        self.limit = self._capped(actual_bytes + policy.increment_bytes)
         self.trials = 0
+
+    @property
+    def capped(self) -> bool:
+        """Whether the limit has reached the device's memory: no trial can raise it further."""
+        return self.cap_bytes is not None and self.limit >= self.cap_bytes
+
+    def _capped(self, limit: int) -> int:
+        return limit if self.cap_bytes is None else min(limit, self.cap_bytes)
+
+    def warn_capped(self, peak_bytes: int) -> None:
+        """Say that the estimate stopped at the device's memory, and what the operator can do about it."""
+        log.warning(
+            "iterative memory estimate: the limit reached the device's memory (%d B) after %d trial(s); the peak "
+            "%d B uses %.0f%% of it, target %.0f%%; accepting %d B (lower batch.per_device for headroom, or raise "
+            "memory.target_utilization)",
+            self.limit,
+            self.trials,
+            peak_bytes,
+            100 * peak_bytes / self.limit if self.limit else 0.0,
+            100 * self.policy.target_utilization,
+            self.limit,
+        )
 
     def next_limit(self, trial: Probe) -> int | None:
         """None: ``self.limit`` is accepted; else the next limit to try."""
@@ -77,7 +107,10 @@ class IterativeEstimate:
                 self.limit,
             )
             return None  # accept the last limit rather than loop forever
-        self.limit += self.policy.increment_bytes
+        self.limit = self._capped(self.limit + self.policy.increment_bytes)
+        if self.capped:
+            self.warn_capped(trial.device_peak_bytes)
+            return None
         return self.limit
 
 
