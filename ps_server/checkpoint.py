@@ -8,12 +8,15 @@ commits checkpoint ``step`` only after every shard has confirmed it.
 
 Snapshots are written in order and never skipped: if the disk is slower than the checkpoint
 frequency, the next ``submit`` waits (training slows) rather than leaving a step some shard
-never wrote. A shard deletes only files older than the ``keep`` newest steps the coordinator has
-reported committed to it (each confirmation's answer names the newest one), so the last ``keep``
-committed checkpoints are always on disk whatever the shards' relative speeds, and a step written
-but never committed (another shard's write failed) costs a file, never a committed one's place.
-Files past the step just written are a discarded run's and go; so do the temp files of writes a
-killed process left behind, when the writer starts.
+never wrote. A snapshot no newer than one the writer already took is dropped, not written, so
+each step is written (and confirmed) at most once and the newest file never moves backwards,
+whatever order concurrent callers reach the queue in (a shard hands its snapshots over in
+version order; this is the writer's own guard). A shard deletes only files older than the
+``keep`` newest steps the coordinator has reported committed to it (each confirmation's answer
+names the newest one), so the last ``keep`` committed checkpoints are always on disk whatever the
+shards' relative speeds, and a step written but never committed (another shard's write failed)
+costs a file, never a committed one's place. Files past the step just written are a discarded
+run's and go; so do the temp files of writes a killed process left behind, when the writer starts.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class SnapshotWriter(Generic[S]):
         self._queue: queue.Queue[S | None] = queue.Queue(maxsize=1)
         self._closed = threading.Event()
         self._commits: list[int] = []  # the committed steps the coordinator told us of, ascending
+        self._newest_taken = -1  # the newest step the writer thread took off the queue (written or failed)
         self.records: list[WriteRecord] = []
         self.error: BaseException | None = None  # the last write's failure, cleared by a success
         self._drop_temp_files()
@@ -201,6 +205,8 @@ class SnapshotWriter(Generic[S]):
     def _run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
             version = self._version_of(snapshot)
+            if not self._in_order(version):
+                continue
             started = time.perf_counter()
             try:
                 self._save(snapshot)
@@ -222,6 +228,24 @@ class SnapshotWriter(Generic[S]):
                 self._prune(version)
             except Exception as exc:  # noqa: BLE001 - logged; the next write prunes again
                 log.warning("shard %d: could not prune old %s files: %s", self.shard_id, self._what, exc)
+
+    def _in_order(self, version: int) -> bool:
+        """Whether ``version`` is newer than every step taken before (the writer thread only); logs a drop.
+
+        An older one arriving late would be written after the newer one: its confirmation would go backwards
+        and its prune (files past the step written are a discarded run's) would delete the newer, confirmed
+        file. The same step twice would be written and confirmed twice."""
+        if version > self._newest_taken:
+            self._newest_taken = version
+            return True
+        log.warning(
+            "shard %d: %s of step %d dropped: step %d was handed over before it",
+            self.shard_id,
+            self._what,
+            version,
+            self._newest_taken,
+        )
+        return False
 
     def _prune(self, written: int) -> None:
         """Drop files past ``written`` (a discarded run's) and those older than the ``keep`` newest committed steps

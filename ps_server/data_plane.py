@@ -24,11 +24,10 @@ import functools
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -41,6 +40,7 @@ from pstrain.ps_server.pieces import PiecedShard, as_pieced
 from pstrain.ps_server.shard import ParameterShard, PushResult
 from pstrain.ps_server.shm import RegionPair, SharedRegions
 from pstrain.ps_server.versions import StagingPool, VersionFollower, VersionMarks
+from pstrain.ps_server.within import Within
 from pstrain.runtime.bulk_socket import MIN_TIMEOUT_S
 
 PUSHES_STAGED = 8  # pushes receiving at once, each into a shard-sized buffer; the rest wait unread
@@ -54,8 +54,6 @@ BULK_IO_THREADS = 16
 # optimizer's norm exchange): staged pushes alone must never take every bulk thread, or pulls could not be sent.
 assert PUSHES_STAGED < BULK_IO_THREADS
 PULL_AT_THREADS = 2  # replacements reading a held version at once (rare: one per failed worker); more wait
-
-T = TypeVar("T")
 
 Admit = Callable[[], AbstractContextManager[float]]
 """The servicer's admission of one waiting pull: entered for the wait, it gives the seconds the pull may wait."""
@@ -228,7 +226,9 @@ class ShardDataPlane:
         # What arrives on the stream from here on arrives within the job's push timeout, or the push is refused and
         # its slot freed: a worker that opens a push and stops sending holds a slot that long at most.
         limit_s = bounded(time_left(), self.push_timeout_s)
-        received = _Within(limit_s, h.worker_id, self.push_timeout_s)
+        # In this task, not asyncio.wait_for's own: a cancel that came as the stream ended was lost there (before
+        # Python 3.12), and a cancelled bulk push went on to wait for its payload, holding the worker's socket.
+        received = Within(limit_s, functools.partial(_payload_timeout, limit_s, h.worker_id, self.push_timeout_s))
         pushing: asyncio.Future[PushResult] | None = None
         executor: ThreadPoolExecutor | None = None  # the loop's default
         adopted: list[torch.Tensor] = []  # the shard's old accumulator, if it kept ``buf`` as its new one
@@ -472,40 +472,13 @@ async def _assemble(payload: AsyncIterator[PushPart], assembler: TensorAssembler
         assembler.add(part.chunk)
 
 
-@dataclass(frozen=True)
-class _Within:
-    """Awaits what a push receives once it holds a staging slot, within the limit; ``PayloadTimeout`` after."""
-
-    limit_s: float
-    worker_id: int
-    push_timeout_s: float
-
-    async def __call__(self, receiving: Awaitable[T]) -> T:
-        """Awaited in the caller's own task, not in one of its own as ``asyncio.wait_for`` does: there (before
-        Python 3.12) a cancel that came as the stream ended was lost, and a cancelled bulk push went on to wait
-        for its payload, holding the worker's socket until its timeout."""
-        task = asyncio.current_task()
-        assert task is not None
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            task.cancel()
-
-        timer = asyncio.get_running_loop().call_later(self.limit_s, expire)
-        try:
-            return await receiving
-        except asyncio.CancelledError:
-            if not expired:
-                raise
-            raise PayloadTimeout(
-                f"worker {self.worker_id}'s push payload did not arrive within {self.limit_s:.1f} s of its staging "
-                f"slot (transport.push_timeout_s is {self.push_timeout_s:g} s, or the call's deadline came first); "
-                "the slot is free again: send the whole payload, then close the stream"
-            ) from None
-        finally:
-            timer.cancel()
+def _payload_timeout(limit_s: float, worker_id: int, push_timeout_s: float) -> PayloadTimeout:
+    """What a push whose payload stopped arriving is told (``Within``'s error once the limit passes)."""
+    return PayloadTimeout(
+        f"worker {worker_id}'s push payload did not arrive within {limit_s:.1f} s of its staging "
+        f"slot (transport.push_timeout_s is {push_timeout_s:g} s, or the call's deadline came first); "
+        "the slot is free again: send the whole payload, then close the stream"
+    )
 
 
 def _when_done(work: asyncio.Future[PushResult] | None, release: Callable[[], object]) -> None:

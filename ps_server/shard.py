@@ -50,6 +50,7 @@ import torch
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.checkpoint import ShardState
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.hand_over import HandOverTurns
 from pstrain.ps_server.layerwise import Layers, LayerwiseOptimizer
 from pstrain.ps_server.optimizer import build_optimizer, step_on_mean
 from pstrain.runtime.numerics import all_finite
@@ -97,10 +98,18 @@ class CheckpointPolicy:
 
     every_steps: int
     final_version: int
-    on_snapshot: Callable[[ShardState], None]  # called outside the lock; may block (backpressure)
+    on_snapshot: Callable[[ShardState], None]  # called outside the lock, in version order; may block (backpressure)
 
     def due(self, version: int) -> bool:
         return self.every_steps > 0 and (version % self.every_steps == 0 or version == self.final_version)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A due checkpoint's state and its turn among this shard's snapshots (``_hand_over`` keeps that order)."""
+
+    state: ShardState
+    turn: int
 
 
 class ParameterShard:
@@ -170,6 +179,9 @@ class ParameterShard:
         # entirely (``_outside_lock``) and says so in ``_updating``.
         self._cond = threading.Condition(threading.Lock())
         self._updating = False
+        # Due snapshots reach ``on_snapshot`` in version order (``_hand_over``): each takes a turn under ``_cond`` as
+        # it is taken, and is handed over once every earlier one has been.
+        self._turns = HandOverTurns()
         self._failed: str | None = None  # why the shard refuses everything: an update failed halfway
         self._closed = False
 
@@ -288,7 +300,7 @@ class ParameterShard:
                     f"worker {worker_id}'s gradient for step {step} has NaN or Inf values; a worker skips such a "
                     f"step (fault.on_nonfinite) instead of pushing it"
                 )
-        snapshot: ShardState | None = None
+        snapshot: _Snapshot | None = None
         with self._cond:
             self._check_open()
             # Re-check under the lock: the shard may have moved on while the payload streamed.
@@ -345,24 +357,33 @@ class ParameterShard:
             else:
                 self._held[worker_id] = grad if in_turn else grad.clone()
 
-    def _finish_step(self) -> tuple[PushResult, ShardState | None]:
+    def _finish_step(self) -> tuple[PushResult, _Snapshot | None]:
         """Every contributor is in (the lock held): update, publish, and snapshot if a checkpoint is due."""
         started = time.perf_counter()
         skipped = self._apply_update()
         update_s = time.perf_counter() - started
         snapshot = None
         if self._checkpoints is not None and self._checkpoints.due(self._version):
-            snapshot = self._checkpoint_state()
+            snapshot = _Snapshot(self._checkpoint_state(), self._turns.take())
         return PushResult(self._version, False, True, update_s=update_s, skipped=skipped), snapshot
 
-    def _hand_over(self, snapshot: ShardState | None, started: float, update_s: float) -> None:
-        """Outside the lock: hand a due checkpoint's snapshot to the writer."""
+    def _hand_over(self, snapshot: _Snapshot | None, started: float, update_s: float) -> None:
+        """Outside the lock: hand a due checkpoint's snapshot to the writer, after every earlier one.
+
+        Why in turn: the lock is let go before the hand-over, and once the step's version is published the
+        workers may complete the next due step (a worker whose push waits here retries it: a duplicate, answered
+        at once) while this thread is preempted or waits for the writer (backpressure). Handed over first, the
+        newer snapshot would be written first and the older one after it: the confirmations would go backwards
+        and the writer's prune of files past the step it wrote would delete the newer, confirmed file.
+        """
         if snapshot is None:
             return
         assert self._checkpoints is not None
-        self._checkpoints.on_snapshot(snapshot)  # may wait for the previous write (backpressure)
+        with self._turns.in_turn(snapshot.turn):
+            self._checkpoints.on_snapshot(snapshot.state)  # may wait for the previous write (backpressure)
         blocked_s = time.perf_counter() - started - update_s
-        log.info("shard %d: checkpoint of step %d held training for %.4fs", self.shard_id, snapshot.version, blocked_s)
+        version = snapshot.state.version
+        log.info("shard %d: checkpoint of step %d held training for %.4fs", self.shard_id, version, blocked_s)
 
     # ------------------------------------------------------------------ the contributors (cluster.min_workers)
 

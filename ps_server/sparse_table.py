@@ -39,7 +39,8 @@ exactly the rows the first attempt saw, and its push is a duplicate. Further beh
 
 Checkpoints (``SparseCheckpoints``): at a due version the shard copies the rows it holds and
 their optimizer state under its lock (one memcpy per tensor, in slot order) and hands the copy,
-outside the lock, to a background writer (``sparse_checkpoint.py``).
+outside the lock, to a background writer (``sparse_checkpoint.py``), in version order
+(``hand_over.HandOverTurns``): a newer copy waits until every older one has been handed over.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.errors import InvalidArgument, NotReady, StepConflict, UnknownWorker, WaitTimeout
+from pstrain.ps_server.hand_over import HandOverTurns
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.schedule import learning_rate
 from pstrain.runtime.sparse_rows import RowError, TableSpec, check_ids, init_rows, owner_of
@@ -91,10 +93,19 @@ class SparseCheckpoints:
 
     every_steps: int
     final_version: int
-    on_snapshot: Callable[[int, dict[str, TableState]], None]  # called outside the lock; may block (backpressure)
+    on_snapshot: Callable[[int, dict[str, TableState]], None]  # outside the lock, in version order; may block
 
     def due(self, version: int) -> bool:
         return self.every_steps > 0 and (version % self.every_steps == 0 or version == self.final_version)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A due checkpoint's tables at ``version`` and its turn among this shard's snapshots (``_hand_over``)."""
+
+    version: int
+    tables: dict[str, TableState]
+    turn: int
 
 
 class SparseTable:
@@ -289,6 +300,7 @@ class SparseShard:
         self._closed = False
         self._schedule = schedule
         self.checkpoints = checkpoints
+        self._turns = HandOverTurns()  # due snapshots reach ``on_snapshot`` in version order (``_hand_over``)
         self._undo: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # table -> (ids ascending, rows before the
         # last completed step), for pulls of the version before it
         self._undo_known = False  # a step completed here: ``_undo`` says how the version before differs (a shard
@@ -369,7 +381,6 @@ class SparseShard:
         if rows is not None:
             for name, grads in rows.items():
                 self._check_grads(name, grads, device_count, worker_id, step)
-        snapshot: dict[str, TableState] | None = None
         with self._cond:
             self._check_open()
             if self._classify_step(worker_id, step):
@@ -378,21 +389,41 @@ class SparseShard:
             self._last_step[worker_id] = step
             if len(self._held) < self.workers:
                 return RowsPushResult(self._version, duplicate=False, completed=False)
-            started = time.perf_counter()
-            skipped = any(r is None for r in self._held.values())
-            self._undo = {} if skipped else self._apply()
-            self._undo_known = True
-            self._held.clear()
-            self._version += 1
-            version = self._version
-            if self.checkpoints is not None and self.checkpoints.due(version):
-                snapshot = {name: t.snapshot() for name, t in self.tables.items()}
-            self._cond.notify_all()
-            update_s = time.perf_counter() - started
-        if snapshot is not None:
-            assert self.checkpoints is not None
-            self.checkpoints.on_snapshot(version, snapshot)  # may wait for the previous write (backpressure)
-        return RowsPushResult(version, False, True, skipped, update_s)
+            result, snapshot = self._finish_step()
+        self._hand_over(snapshot)
+        return result
+
+    def _finish_step(self) -> tuple[RowsPushResult, _Snapshot | None]:
+        """Every worker is in (the lock held): update, publish, and snapshot if a checkpoint is due.
+
+        The snapshot takes its turn here, under the lock, so the turns follow the versions."""
+        started = time.perf_counter()
+        skipped = any(r is None for r in self._held.values())
+        self._undo = {} if skipped else self._apply()
+        self._undo_known = True
+        self._held.clear()
+        self._version += 1
+        snapshot = None
+        if self.checkpoints is not None and self.checkpoints.due(self._version):
+            tables = {name: t.snapshot() for name, t in self.tables.items()}
+            snapshot = _Snapshot(self._version, tables, self._turns.take())
+        self._cond.notify_all()
+        update_s = time.perf_counter() - started
+        return RowsPushResult(self._version, False, True, skipped, update_s), snapshot
+
+    def _hand_over(self, snapshot: _Snapshot | None) -> None:
+        """Outside the lock: hand a due checkpoint's snapshot to the writer, after every earlier one.
+
+        Why in turn: once the lock is let go the new version is published, and the workers may complete the next
+        due step while this thread is preempted or waits for the writer (backpressure). Handed over first, the
+        newer snapshot would be written first; the writer then drops the older one (``SnapshotWriter._in_order``),
+        so that step's sparse file is never written and the coordinator never commits it.
+        """
+        if snapshot is None:
+            return
+        assert self.checkpoints is not None
+        with self._turns.in_turn(snapshot.turn):
+            self.checkpoints.on_snapshot(snapshot.version, snapshot.tables)  # may wait for the previous write
 
     def lr_factor(self, step: int) -> float:
         """The dense schedule's factor of ``step`` (its warmup), which tables with ``lr_schedule: follow`` take."""

@@ -23,6 +23,7 @@ from pstrain.protos.codec import EncodedReplies
 from pstrain.ps_server.errors import NotReady, PsError, WaitTimeout
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.shard import ParameterShard
+from pstrain.ps_server.within import Within
 
 FOLLOW_POLL_S = 1.0  # how often a version follower looks whether its server has stopped
 
@@ -111,9 +112,7 @@ class VersionFollower:
                         f"shard {self._shard.shard_id} is at {at}; version {min_version} did not appear within "
                         f"{timeout_s:.1f}s (are all {self._shard.workers} workers pushing?)"
                     )
-                changed = self._changed
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(changed.wait(), remaining)
+                await _next_change(self._changed, remaining)
         finally:
             self._count_waiting(-1)
 
@@ -201,11 +200,19 @@ class VersionMarks:
                     f"shard {self._source.shard_id} is at version {version}; version {min_version} did not appear "
                     f"within {timeout_s:.1f}s (are all {self._source.workers} workers pushing?)"
                 )
-            changed = self._changed
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, FOLLOW_POLL_S))
+            await _next_change(self._changed, min(remaining, FOLLOW_POLL_S))
 
     def moved(self) -> None:
         """The source may be at a newer version (on the loop): the waiting pulls look again."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+async def _next_change(changed: asyncio.Event, limit_s: float) -> None:
+    """Return once ``changed`` is set or ``limit_s`` has passed, whichever comes first; the caller looks again.
+
+    ``Within``, not ``asyncio.wait_for``: before Python 3.12 the latter lost a cancel that came as the event was
+    set, and a pull whose caller had gone went on waiting (holding its place among the shard's waiting pulls)
+    until its version came or its timeout passed. Here a cancel always ends the wait."""
+    with contextlib.suppress(TimeoutError):
+        await Within(limit_s)(changed.wait())

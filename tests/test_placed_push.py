@@ -230,7 +230,9 @@ def test_a_placed_piece_whose_regions_the_shard_dropped_is_streamed_from_its_spa
         assert torch.equal(got, expected)
         first = [p for p in pieces if p.shard_id == 0]
         for c in clients:
-            assert c.shared.counts.placed_pushes == len(pieces)  # shard 0's too, before its refusal
+            # Shard 1's pieces, and at least one of shard 0's (sent before its refusal came back); the pieces go out
+            # on the push pool at once, so how many more of shard 0's were sent before the refusal is up to timing.
+            assert len(pieces) - len(first) < c.shared.counts.placed_pushes <= len(pieces)
             assert c.shared.counts.streamed_bytes >= sum(p.numel for p in first) * 4  # then streamed
             assert c.shared.active == [1]  # shard 0's refusal turned its regions off
     finally:
