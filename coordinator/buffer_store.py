@@ -70,6 +70,27 @@ def buffer_files(directory: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _FILE.match(p.name)))
 
 
+def check_names(what: str, got: Iterable[str], expected: Iterable[str]) -> None:
+    """``InvalidRequest`` naming the missing and the unknown buffers unless ``got`` names exactly ``expected``.
+
+    An upload is all of the model's buffers or nothing: a partial one kept would stand for the whole
+    (model.pt would mix trained statistics with initial ones; a later upload would drop the rest), so the
+    refusal names what to add or drop, and nothing is kept."""
+    missing, unknown = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if not missing and not unknown:
+        return
+    problems = [f"{label} {_listed(names)}" for label, names in (("missing", missing), ("unknown", unknown)) if names]
+    raise InvalidRequest(
+        f"{what} are incomplete or name buffers the model does not have ({'; '.join(problems)}): upload every "
+        "buffer of the model (named_buffers()) under its own name, and no other, in one call; nothing was kept"
+    )
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
+
+
 def slot_names(model: torch.nn.Module, replicas: int) -> dict[str, torch.Tensor]:
     """The model's buffers under their slot names, one copy per replica (shape and dtype only matter)."""
     own = dict(model.named_buffers())
@@ -142,9 +163,7 @@ class BufferStore:
     def _check(self, worker_id: int, step: int, buffers: SlotBuffers) -> None:
         if not 0 <= worker_id < self.workers:
             raise InvalidRequest(f"worker slot {worker_id} out of range 0..{self.workers - 1}")
-        if set(buffers) != set(self._model):
-            missing = sorted(set(self._model) - set(buffers))[:3]
-            raise InvalidRequest(f"buffers of slot {worker_id} at step {step} are incomplete (missing {missing})")
+        check_names(f"the buffers of slot {worker_id} at step {step}", buffers, self._model)
         for name, value in buffers.items():
             dtype, shape = self._model[name]
             if value.dtype != dtype or tuple(value.shape) != shape:
@@ -197,8 +216,9 @@ class BufferStore:
         slots = {int(w): dict(b) for w, b in payload["slots"].items()}
         if payload.get("step") != step or not set(slots) <= set(range(self.workers)):
             raise InvalidRequest(f"{path} holds the buffers of another step or cluster shape")
-        for worker_id, buffers in slots.items():
+        for worker_id, buffers in slots.items():  # all checked before any is kept: a refused file changes nothing
             self._check(worker_id, step, buffers)
+        for worker_id, buffers in slots.items():
             self._keep(worker_id, step, buffers)
         log.info("loaded the workers' buffers of checkpoint %d", step)
         return True

@@ -440,12 +440,16 @@ class Job:
 
     # ------------------------------------------------------------------ membership
 
-    def register_ps(self, shard_id: int, address: str, metrics_address: str = "") -> ShardRange:
+    def register_ps(self, shard_id: int, address: str, metrics_address: str = "", proven: bool = False) -> ShardRange:
+        """A PS shard joins; ``proven``: the call carries the shard's current credential (``check_takeover``). A
+        registration that may not take the shard is refused before anything changes: the job is not rolled back
+        for a live shard's address named by someone else."""
         with self._cond:
             self._check_not_over()
+            self.membership.check_ps_claim(shard_id, address, proven)
             if self.state != JobState.WAITING and self.membership.restarted_ps(shard_id, address):
                 self._roll_back(f"PS shard {shard_id} restarted at {address} and lost its state")
-            self.membership.register_ps(shard_id, address, metrics_address)
+            self.membership.register_ps(shard_id, address, metrics_address, proven)
             self._journal_members()
             return self.shard_ranges[shard_id]
 
@@ -518,14 +522,18 @@ class Job:
             self._journal_members()
             self._maybe_start()
 
-    def register_worker(self, address: str, devices: list[str], hostname: str, metrics_address: str = "") -> int:
-        """A worker joins: a free slot, or (RUNNING) the slot of a failed worker it replaces (S2.5)."""
+    def register_worker(
+        self, address: str, devices: list[str], hostname: str, metrics_address: str = "", proven: int | None = None
+    ) -> int:
+        """A worker joins: a free slot, or (RUNNING) the slot of a failed worker it replaces (S2.5). ``proven``: the
+        worker id whose current credential the call carries; only with it may a registration at a live worker's
+        address take that worker's slot at once (``check_takeover``)."""
         try:
-            return self._register_worker(address, devices, hostname, metrics_address).id
+            return self._register_worker(address, devices, hostname, metrics_address, proven=proven).id
         except NoFreeSlot:
             if self._vacate_unreachable():
-                return self._register_worker(address, devices, hostname, metrics_address).id
-            member = self._register_worker(address, devices, hostname, metrics_address, take_dropped=True)
+                return self._register_worker(address, devices, hostname, metrics_address, proven=proven).id
+            member = self._register_worker(address, devices, hostname, metrics_address, True, proven)
             self._grow(member.id)
             return member.id
 
@@ -546,7 +554,13 @@ class Job:
         return self.replace_timeout_s is not None
 
     def _register_worker(
-        self, address: str, devices: list[str], hostname: str, metrics_address: str, take_dropped: bool = False
+        self,
+        address: str,
+        devices: list[str],
+        hostname: str,
+        metrics_address: str,
+        take_dropped: bool = False,
+        proven: int | None = None,
     ) -> Member:
         with self._cond:
             self._check_not_over()
@@ -554,13 +568,16 @@ class Job:
                 self._check_may_grow()
             again = self.membership.registered_at(address, hostname) if self.state == JobState.WAITING else None
             if again is not None and not take_dropped:  # not started yet: nothing to roll back, its slot is its own
-                member = self.membership.register_again(again.id, devices, hostname, metrics_address)
+                member = self.membership.register_again(
+                    again.id, devices, hostname, metrics_address, proven=proven == again.id
+                )
                 self._journal("worker_registered", worker=member.id, address=address, host=hostname, replacement=False)
                 self._journal_members()
                 self._maybe_start()
                 return member
             restarted = self.membership.restarted_worker(address, hostname) if self.state != JobState.WAITING else None
-            if restarted is not None:
+            if restarted is not None:  # a live holder's slot only with its credential: refused before any rollback
+                self.membership.check_takeover(self.membership.worker(restarted), proven == restarted)
                 if self.state != JobState.RUNNING or not self.replaces_workers:
                     self._roll_back(f"worker {restarted} on host {hostname} restarted")
                 self._vacate(restarted, f"it restarted on host {hostname}")

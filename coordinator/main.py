@@ -54,6 +54,13 @@ from pstrain.runtime.transport import BindError, PortInUse, host_of, start_serve
 log = logging.getLogger(__name__)
 
 
+def worst_case_stop_s(grace_s: float, linger_s: float, heartbeat_s: float) -> float:
+    """The longest the coordinator's own waits hold its exit after SIGTERM: the liveness loop's slice
+    (``transport.heartbeat_s``); a job that just ended first lingers for its shards (``--linger-s``, which no
+    signal cuts short); then the server's grace. The unit's TimeoutStopSec must exceed it."""
+    return heartbeat_s + linger_s + grace_s
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pstrain-coordinator", description="Run the pstrain coordinator of one job.")
     p.add_argument("--config", required=True, help="job file (YAML)")

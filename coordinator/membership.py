@@ -2,14 +2,18 @@
 
 A member is alive while it was heard from (registration, readiness, a heartbeat, a step report)
 within the heartbeat timeout. A PS shard id is taken by one process at a time: another address
-may take it only once the holder went silent (a shard restarted elsewhere); the same address may
-register again (a retried call). Worker ids are handed out in registration order until the
-plan's slots are full. A worker slot whose holder failed is ``vacate``-d (S2.5): the next worker
-to register takes it, as ``replacement``, with the failed worker's devices. A slot left vacant past
-the replacement timeout may be ``dropped`` (``cluster.min_workers``): it waits for nobody, and a
-worker that registers later may take it back (``take_dropped``). Each heartbeat's RSS is
-kept as a sample in the member's ``MemoryHistory``; ``ps_memory`` forecasts the PS shards' memory
-from them (S2.4).
+may take it only once the holder went silent (a shard restarted elsewhere). A registration that
+names a live member's own address takes its slot only with that member's current credential
+(``proven``: the process itself, registering again); without it, it is refused (``HolderAlive``,
+UNAVAILABLE: the registering member retries) until the holder has been silent for the heartbeat
+timeout. Why: anyone with the bearer token can name any address, so an address is no proof of a
+restart, and taking a live member's slot fails or rolls back the running job. Worker ids are handed
+out in registration order until the plan's slots are full. A worker slot whose holder failed is
+``vacate``-d (S2.5): the next worker to register takes it, as ``replacement``, with the failed
+worker's devices. A slot left vacant past the replacement timeout may be ``dropped``
+(``cluster.min_workers``): it waits for nobody, and a worker that registers later may take it back
+(``take_dropped``). Each heartbeat's RSS is kept as a sample in the member's ``MemoryHistory``;
+``ps_memory`` forecasts the PS shards' memory from them (S2.4).
 
 A restarted coordinator takes the members back from its journal (``snapshot``/``restore`` and the
 registrations since): each is alive from the restart on, so a member that reattaches within the
@@ -25,13 +29,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember
+from pstrain.coordinator.errors import (
+    AlreadyRegistered,
+    CoordinatorError,
+    InvalidRequest,
+    NoFreeSlot,
+    UnknownMember,
+)
 from pstrain.coordinator.memory_forecast import MemoryHistory, PsMemoryForecast, forecast_ps_memory
 from pstrain.runtime.memory_trend import DEFAULT_SETTINGS, TrendSettings
 
 log = logging.getLogger(__name__)
 
 ROLES = ("ps", "worker")
+
+TAKEOVER_GRACE_S = 5.0
+"""How long after a registration was last refused for a live holder's slot (``HolderAlive``) that slot does not
+fail the job once its holder falls silent. Why: the refused member (a restart at the same address) retries every
+2 s at most (``MemberProcess.join``) and takes the slot at its next try; without the grace, the liveness check
+would fail the job (before the start: a cluster restart) in the very moment the holder's timeout lets it in."""
+
+
+class HolderAlive(CoordinatorError):
+    """A registration would take the slot of a member still heard from, without that member's current credential:
+    refused with nothing changed (UNAVAILABLE: a genuine restart retries until its predecessor is silent)."""
 
 
 @dataclass
@@ -52,6 +73,7 @@ class Member:
     replacement: bool = False  # this worker took the slot of a failed one
     dropped: bool = False  # failed and not replaced in time: the job goes on without the slot (cluster.min_workers)
     memory: MemoryHistory = field(default_factory=MemoryHistory)  # RSS from heartbeats; a re-registration starts anew
+    claimed_at: float | None = None  # a registration for this live slot was last refused then (``HolderAlive``)
 
 
 @dataclass(frozen=True)
@@ -89,12 +111,43 @@ class Membership:
 
     # ------------------------------------------------------------------ registration
 
-    def register_ps(self, shard_id: int, address: str, metrics_address: str = "") -> Member:
+    def check_takeover(self, member: Member, proven: bool) -> None:
+        """Refuse (``HolderAlive``) a registration that would take ``member``'s slot while ``member`` is alive,
+        unless it carries ``member``'s current credential (``proven``: the holder's own process registering again).
+
+        Why: a registration names its address, and anyone holding the bearer token can name a live member's; taken
+        as that member's restart, it would fail or roll back the running job, or take the worker's slot and its
+        credential. A real restart loses nothing by waiting: its predecessor is dead and falls silent within the
+        heartbeat timeout. The refusal is noted on the holder (``claimed_at``, see ``TAKEOVER_GRACE_S``) and
+        changes nothing else: the holder keeps its slot and its credential."""
+        if proven or not self.alive(member):
+            return
+        now = self._clock()
+        member.claimed_at = now
+        who = f"worker {member.id} at {member.address} (host {member.hostname or '?'})"
+        if member.role == "ps":
+            who = f"ps shard {member.id} at {member.address}"
+        raise HolderAlive(
+            f"{who} was heard from {now - member.last_seen:.1f} s ago; a restart takes its slot once it has been "
+            f"silent for transport.heartbeat_timeout_s ({self.heartbeat_timeout_s:g} s)"
+        )
+
+    def check_ps_claim(self, shard_id: int, address: str, proven: bool = False) -> None:
+        """A registration for ``shard_id`` from ``address`` may take the shard: its holder is silent (or there is
+        none), or it is the holder at this address with proof (``check_takeover``). A live holder at another
+        address keeps the shard (``AlreadyRegistered``). Changes nothing but a refused claim's note."""
         if not 0 <= shard_id < self.ps_shards:
             raise InvalidRequest(f"shard id {shard_id} out of range: this job has shards 0..{self.ps_shards - 1}")
         existing = self._ps.get(shard_id)
-        if existing and existing.address != address and self.alive(existing):
+        if existing is None:
+            return
+        if existing.address != address and self.alive(existing):
             raise AlreadyRegistered(f"shard {shard_id} is already served by {existing.address}")
+        self.check_takeover(existing, proven)
+
+    def register_ps(self, shard_id: int, address: str, metrics_address: str = "", proven: bool = False) -> Member:
+        """Shard ``shard_id`` is served from ``address``; ``proven``: the call carries the shard's credential."""
+        self.check_ps_claim(shard_id, address, proven)
         member = Member("ps", shard_id, address, self._clock(), metrics_address=metrics_address)
         self._ps[shard_id] = member
         log.info("PS shard %d registered at %s", shard_id, address)
@@ -161,13 +214,17 @@ class Membership:
         return sorted(i for i, m in self._workers.items() if m.dropped)
 
     def silent_workers(self) -> list[int]:
-        """Workers with work left, not yet declared failed, silent past the heartbeat timeout."""
+        """Workers with work left, not yet declared failed, silent past the heartbeat timeout (and not about to be
+        taken by a registration refused while they were alive, ``TAKEOVER_GRACE_S``)."""
         now = self._clock()
-        return [
-            m.id
-            for m in self._workers.values()
-            if not m.failed and not m.done and now - m.last_seen > self.heartbeat_timeout_s
-        ]
+        return [m.id for m in self._workers.values() if not m.failed and not m.done and self._gone(m, now)]
+
+    def _gone(self, member: Member, now: float) -> bool:
+        """Silent past the heartbeat timeout, and no registration refused for its slot within ``TAKEOVER_GRACE_S``:
+        that registration (its restart, retrying) takes the slot at its next try, as the restart it is."""
+        if now - member.last_seen <= self.heartbeat_timeout_s:
+            return False
+        return member.claimed_at is None or now - member.claimed_at > TAKEOVER_GRACE_S
 
     def occupied_workers(self) -> list[tuple[int, str]]:
         """(id, address) of every worker slot held by a process not declared failed."""
@@ -203,7 +260,8 @@ class Membership:
 
     def restarted_ps(self, shard_id: int, address: str) -> bool:
         """A registration for a held shard id from its own address, or after its holder went silent:
-        the shard's process restarted (a live holder elsewhere is refused by ``register_ps``)."""
+        the shard's process restarted. Only for a registration ``check_ps_claim`` let through: a live holder
+        elsewhere is refused, and so is one at this address unless the registration proved it is that holder."""
         existing = self._ps.get(shard_id)
         return existing is not None and (existing.address == address or not self.alive(existing))
 
@@ -216,10 +274,14 @@ class Membership:
         found = (m for m in self._workers.values() if not m.failed and m.address == address and m.hostname == hostname)
         return next(found, None)
 
-    def register_again(self, worker_id: int, devices: list[str], hostname: str, metrics_address: str = "") -> Member:
+    def register_again(
+        self, worker_id: int, devices: list[str], hostname: str, metrics_address: str = "", proven: bool = False
+    ) -> Member:
         """Before the job starts, a worker that registers again at its address (its process restarted, or its
-        registration's reply was lost and it retried) takes its own slot back, not a second one."""
+        registration's reply was lost and it retried) takes its own slot back, not a second one: at once with the
+        slot's current credential (``proven``), else once the old holder is silent (``check_takeover``)."""
         old = self._workers[worker_id]
+        self.check_takeover(old, proven)
         if devices and len(devices) != self.devices_per_worker:
             raise InvalidRequest(
                 f"worker offers {len(devices)} devices but the plan needs {self.devices_per_worker} "
@@ -240,7 +302,8 @@ class Membership:
         return member
 
     def restarted_worker(self, address: str, hostname: str) -> int | None:
-        """The slot of a worker that restarted: one registered at ``address``, or a silent one on ``hostname``."""
+        """The slot of a worker that restarted: one registered at ``address``, or a silent one on ``hostname``.
+        A slot whose holder is still alive is the caller's to ``check_takeover`` before acting on it."""
         for m in self._workers.values():
             if m.failed:
                 continue
@@ -285,7 +348,7 @@ class Membership:
         """Why the job must fail: the first member with work left that is silent past the timeout, if any."""
         now = self._clock()
         for member in self.members():
-            if not member.done and not member.failed and now - member.last_seen > self.heartbeat_timeout_s:
+            if not member.done and not member.failed and self._gone(member, now):
                 return f"{member.role} {member.id} at {member.address} silent for {now - member.last_seen:.0f}s"
         return None
 

@@ -17,10 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from pstrain.coordinator.buffer_store import check_names
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
 from pstrain.coordinator.initial_tables import initial_row_blocks
 from pstrain.coordinator.job import Directive, Job, JobStatusView, SetPsWorkers
 from pstrain.coordinator.ledger import Progress, StepReport
+from pstrain.coordinator.membership import HolderAlive
 from pstrain.coordinator.probe import ProbeReport
 from pstrain.coordinator.report_checks import check_step_report
 from pstrain.planner.memory_estimate import Probe
@@ -41,6 +43,7 @@ translate = abort_on_errors(
         WrongState: grpc.StatusCode.FAILED_PRECONDITION,
         AlreadyRegistered: grpc.StatusCode.ALREADY_EXISTS,
         NoFreeSlot: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        HolderAlive: grpc.StatusCode.UNAVAILABLE,  # a registration for a live member's slot: retry until it is silent
         PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
         NotIssued: grpc.StatusCode.NOT_FOUND,
         Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -210,6 +213,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if self.registry is not None:
             self.registry.require(context.invocation_metadata(), role, member_id)
 
+    def _proven(self, context: grpc.ServicerContext, role: str) -> int | None:
+        """The id of the ``role`` member whose *current* credential this registration carries, if any: proof that
+        the caller is that member's own process registering again, which may take its live slot at once. A
+        registration naming an address proves nothing (anyone with the bearer token can name any); a missing,
+        forged or superseded credential is no proof, not an error: a restarted process has none."""
+        if self.registry is None:
+            return None
+        try:
+            return self.registry.require_any(context.invocation_metadata(), role).member_id
+        except (PermissionDenied, NotIssued):
+            return None
+
     def _credential(self, role: str, member_id: int) -> str:
         if self.registry is None:
             return ""
@@ -221,14 +236,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def RegisterParameterServer(
         self, request: pb.RegisterPsRequest, context: grpc.ServicerContext
     ) -> pb.RegisterPsReply:
-        r = self.job.register_ps(request.shard_id, request.address, request.metrics_address)
+        proven = self._proven(context, "ps") == request.shard_id
+        r = self.job.register_ps(request.shard_id, request.address, request.metrics_address, proven)
         return pb.RegisterPsReply(
             job=self.job.spec,
             start=r.start,
             end=r.end,
             resume_step=self.job.resume_step,
             member_credential=self._credential("ps", request.shard_id),
-            job_key=self.registry.keys.job_key if self.registry is not None else b"",  # verifies pushes and pulls
+            job_key=self.registry.keys.public_key if self.registry is not None else b"",  # verifies, cannot mint
         )
 
     @translate
@@ -265,7 +281,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.RegisterWorkerRequest, context: grpc.ServicerContext
     ) -> pb.RegisterWorkerReply:
         worker_id = self.job.register_worker(
-            request.address, list(request.devices), request.hostname, request.metrics_address
+            request.address,
+            list(request.devices),
+            request.hostname,
+            request.metrics_address,
+            proven=self._proven(context, "worker"),
         )
         slot = self.job.worker_slot(worker_id)
         return pb.RegisterWorkerReply(
@@ -324,9 +344,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def UploadBuffers(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Empty:
         if self.registry is not None:
             self.registry.require_any(context.invocation_metadata(), "worker")
-        # Every announced name, dtype and shape is checked against the model before anything is allocated.
+        # Every announced name, dtype and shape is checked against the model before anything is allocated; once
+        # read, the set is checked whole before it is kept: a partial one would export a model.pt that mixes worker
+        # 0's trained statistics with initial ones (or, empty, end the export's wait for them).
         expected = {n: (wire_dtype(b.dtype), tuple(b.shape)) for n, b in self.job.model.model.named_buffers()}
-        self.job.upload_buffers(decode_named_tensors(checked_tensor_stream(request_iterator, expected)))
+        buffers = decode_named_tensors(checked_tensor_stream(request_iterator, expected))
+        check_names("the uploaded final buffers", buffers, expected)
+        self.job.upload_buffers(buffers)
         return pb.Empty()
 
     @translate

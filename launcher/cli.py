@@ -39,6 +39,7 @@ from pstrain.launcher.local_cluster import (
     run_local,
     user_code_paths,
 )
+from pstrain.launcher.out_lock import OutDirBusy, hold_out_dir
 from pstrain.planner.bucket_plan import NETWORK_BYTES_S, CommModel, choose_bucket_bytes, layers_of, measure_update_rate
 from pstrain.planner.bucket_plan import describe as describe_buckets
 from pstrain.runtime.atomic_io import atomic_write
@@ -135,10 +136,22 @@ def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    """Train the job on this host, holding ``--out`` for the run's life so a second run cannot interleave its
+    journal and checkpoints with ours: it fails at once with exit 2 (``out_lock``)."""
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         print(f"pstrain local: --out {out_dir}: a file is there; name a directory", file=sys.stderr)
         return 2
+    try:
+        with hold_out_dir(out_dir):
+            return _train_locally(args, out_dir)
+    except OutDirBusy as exc:
+        print(f"pstrain local: {exc}", file=sys.stderr)
+        return 2
+
+
+def _train_locally(args: argparse.Namespace, out_dir: Path) -> int:
+    """Check the job file, run the cluster to the end, evaluate: the body of ``cmd_local`` under its lock."""
     try:
         cfg = load_config(args.config)
         if args.steps is not None:

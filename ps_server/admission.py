@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.ps_server.errors import InvalidArgument
 from pstrain.runtime.admission import PullAdmission, PullLimits
-from pstrain.runtime.identity import MemberKeys
+from pstrain.runtime.identity import MemberVerifier
 
 Metadata = Iterable[tuple[str, str | bytes]] | None
 
@@ -40,7 +40,7 @@ def pull_limits(job: pb.JobSpec) -> PullLimits:
 
 class ShardGate:
     def __init__(
-        self, keys: MemberKeys | None = None, max_devices: int | None = None, pulls: PullLimits | None = None
+        self, keys: MemberVerifier | None = None, max_devices: int | None = None, pulls: PullLimits | None = None
     ) -> None:
         self.keys = keys
         self.max_devices = max_devices

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,15 +32,46 @@ from pstrain.ps_server.shard import CheckpointPolicy
 from pstrain.ps_server.sparse_checkpoint import CheckpointJoin, sparse_shard_for
 from pstrain.ps_server.sparse_service import SparseTablesServicer, add_sparse_tables
 from pstrain.runtime.buckets import shard_pieces
-from pstrain.runtime.identity import MemberKeys
+from pstrain.runtime.identity import MemberVerifier
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED, EXIT_RESTART, MemberProcess, add_member_flags
+from pstrain.runtime.member import (
+    EXIT_JOB_FAILED,
+    EXIT_RESTART,
+    MemberProcess,
+    add_member_flags,
+    drain_waits_s,
+    join_waits_s,
+)
 from pstrain.runtime.shard_map import ShardRange
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S, host_of
 
 log = logging.getLogger(__name__)
 _PS_VIEW = pb.WaitForClusterRequest(worker_id=-1)  # issue 10: the PS addresses, for the norm exchange
+
+INITIAL_FETCH_S = 300.0
+"""The deadline of each start-up stream from the coordinator: this shard's initial parameters, its sparse rows."""
+
+
+def start_waits_s(args: argparse.Namespace) -> float:
+    """The longest a shard waits on the coordinator before READY=1: reaching and joining it (``join_waits_s``),
+    then its initial parameters and rows (``INITIAL_FETCH_S`` each). Loading a checkpoint instead comes on top."""
+    return join_waits_s(args) + 2 * INITIAL_FETCH_S
+
+
+WRITER_CLOSE_S = 60.0
+"""How long a stopping shard waits for each checkpoint writer, twice: to queue its end behind the snapshots it
+still has to write, then for them to be written (``SnapshotWriter.close``). A clean stop keeps its last checkpoint."""
+
+CHECKPOINT_WRITERS = 2
+"""The dense range's writer and, for a job with sparse tables, the tables' writer: closed one after the other."""
+
+
+def worst_case_stop_s(grace_s: float) -> float:
+    """The longest a shard's own waits hold its exit after SIGTERM: its checkpoint writers finishing their queued
+    snapshots, then the member's drain (``drain_waits_s``). The unit's TimeoutStopSec must exceed it, or systemd
+    SIGKILLs a shard that is writing its last checkpoint."""
+    return CHECKPOINT_WRITERS * 2 * WRITER_CLOSE_S + drain_waits_s(grace_s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,7 +98,7 @@ def _port(text: str) -> int:
 
 def fetch_initial(stub: pb_grpc.CoordinatorStub, shard_id: int, numel: int) -> torch.Tensor:
     assembler = TensorAssembler(torch.float32, numel)
-    for chunk in stub.FetchInitialParameters(pb.InitialParametersRequest(shard_id=shard_id), timeout=300):
+    for chunk in stub.FetchInitialParameters(pb.InitialParametersRequest(shard_id=shard_id), timeout=INITIAL_FETCH_S):
         assembler.add(chunk)
     return assembler.result()
 
@@ -110,7 +142,7 @@ def serve_shard(
     limits = pull_limits(job)  # issue 8: the job file's transport.max_waiting_pulls[_per_peer], pull_timeout_s
     servicer.gate = ShardGate(pulls=limits)
     if reply.job_key:  # issue 8: pushes only with the pushing worker's credential, pulls within limits
-        servicer.gate = ShardGate(MemberKeys(reply.job_key), job.devices_per_worker or None, limits)
+        servicer.gate = ShardGate(MemberVerifier(reply.job_key), job.devices_per_worker or None, limits)
         if sparse is not None:
             sparse.gate = servicer.gate  # row pushes and pulls are bound like dense ones
         if norms is not None:
@@ -132,7 +164,7 @@ def serve_shard(
             join = CheckpointJoin(("dense", "sparse"), confirm)
             confirm_dense, confirm_sparse = join.part("dense"), join.part("sparse")
         writer = CheckpointWriter(Path(job.checkpoint_dir), shard_id, job.checkpoint_keep, confirm_dense)
-        member.closing(writer.close)  # closed after the shard: queued snapshots are still written
+        member.closing(partial(writer.close, WRITER_CLOSE_S))  # after the shard: queued snapshots are still written
         policy = CheckpointPolicy(job.checkpoint_every_steps, job.steps, writer.submit)
     # S4: the shard collects and updates each piece (its range cut at the workers' bucket boundaries) on its own.
     layout = ParamLayout.from_shapes([p.name for p in job.params], [list(p.shape) for p in job.params])
@@ -178,7 +210,7 @@ def serve_shard(
     if sparse is not None:  # issue 9: this shard's rows of the sparse embedding tables
         try:
             initial_rows = lambda: stub.FetchInitialRows(  # noqa: E731 - init_checkpoint's rows this shard owns
-                pb.InitialParametersRequest(shard_id=shard_id), timeout=300
+                pb.InitialParametersRequest(shard_id=shard_id), timeout=INITIAL_FETCH_S
             )
             sparse_shard, sparse_writer = sparse_shard_for(
                 job, shard_id, reply.resume_step, confirm_sparse, initial_rows
@@ -187,7 +219,7 @@ def serve_shard(
             log.error("%s", exc)
             return EXIT_JOB_FAILED
         if sparse_writer is not None:
-            member.closing(sparse_writer.close)  # closed after the tables: queued snapshots are still written
+            member.closing(partial(sparse_writer.close, WRITER_CLOSE_S))  # after the tables: queued snapshots too
         member.closing(sparse_shard.close)
         sparse.attach(sparse_shard)
     member.ready(lambda: stub.ParameterServerReady(pb.PsReadyRequest(shard_id=shard_id), timeout=CONTROL_TIMEOUT_S))

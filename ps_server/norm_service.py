@@ -23,7 +23,7 @@ import grpc
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.ps_server.layerwise import BoardCombiner, Layers, NormBoard, segments_for
-from pstrain.runtime.identity import MemberKeys, PermissionDenied
+from pstrain.runtime.identity import MemberVerifier, PermissionDenied
 from pstrain.runtime.optimizers import optimizer_entry
 from pstrain.runtime.security import TransportSecurity
 from pstrain.runtime.transport import abort_on_errors, open_channel
@@ -40,7 +40,7 @@ class LayerNormsServicer(pb_grpc.LayerNormsServicer):
     post as ``from_shard`` ``s``. Without keys (a servicer a test builds alone) posts are not bound.
     """
 
-    def __init__(self, board: NormBoard | None = None, keys: MemberKeys | None = None) -> None:
+    def __init__(self, board: NormBoard | None = None, keys: MemberVerifier | None = None) -> None:
         self.board = board or NormBoard()
         self.keys = keys
 

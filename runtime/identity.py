@@ -7,17 +7,21 @@ say *which* member is calling. Without more, any peer that can reach a shard may
 
 Design:
 
-* The coordinator draws a random **job key** when it starts. Registering as ``role`` ``id`` returns
-  a credential ``role:id:incarnation:mac`` with ``mac = HMAC-SHA256(job key, "role:id:incarnation")``.
-  The incarnation counts registrations of that slot: a member that restarts and registers again
-  gets a new credential, and the old process's calls are refused by the coordinator from then on.
+* The coordinator draws a random **job key** when it starts: an Ed25519 private key. Registering as
+  ``role`` ``id`` returns a credential ``role:id:incarnation:signature``, the job key's signature of
+  ``"role:id:incarnation"``. The incarnation counts registrations of that slot: a member that restarts
+  and registers again gets a new credential, and the old process's calls are refused by the
+  coordinator from then on.
 * Members send it as the call metadata ``x-pstrain-member`` on every call of their channels
   (``IdentityAttach``, a client interceptor installed by ``open_channel``), so the PS client and
   the trainer are unchanged; ``MemberProcess.join`` adopts the credential from the registration reply.
 * The coordinator checks each worker/PS call against its issued incarnations (``MemberRegistry``).
-* A PS shard receives the job key at its own registration and verifies workers' pushes by
-  recomputing the MAC (``MemberKeys``): no table to keep in step with the coordinator's, no call
-  to the coordinator per push. What a shard cannot see is the incarnation being current; a
+* A PS shard receives the job's **public** key at its own registration and verifies workers' pushes
+  by checking the signature (``MemberVerifier``; each credential once, then from a cache): no table
+  to keep in step with the coordinator's, no call to the coordinator per push. A shard can check
+  credentials but not make them: before 2026-11-27 the shards held the one HMAC key that also
+  minted them, so whoever registered as a shard (anyone with the bearer token, while that shard id
+  was free) could act as any worker. What a shard cannot see is the incarnation being current; a
   superseded process would have to still be alive *and* push for a step its replacement has not
   pushed, and the coordinator has failed or re-planned the job by then.
 * Without TLS the credential travels in clear, like the token: the token or mTLS keeps outsiders
@@ -30,15 +34,19 @@ A call that lacks the credential, carries a wrong one, or one of another member 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
 HEADER = "x-pstrain-member"
-KEY_BYTES = 32
+KEY_BYTES = 32  # an Ed25519 private key (its seed) and public key alike
+VERIFIED_KEPT = 4096
+"""Credentials a verifier remembers as checked: a job has a few per member (one per registration), so the
+signature check runs once per credential; past this many (made-up ones that verified? none can) it starts over."""
 
 
 class IdentityError(Exception):
@@ -58,7 +66,7 @@ class Credential:
     role: str
     member_id: int
     incarnation: int
-    mac: str
+    signature: str  # hex: the job key's Ed25519 signature of ``subject``
 
     @property
     def subject(self) -> str:
@@ -69,7 +77,7 @@ class Credential:
         return f"{self.role} {self.member_id}"
 
     def encode(self) -> str:
-        return f"{self.subject}:{self.mac}"
+        return f"{self.subject}:{self.signature}"
 
     @classmethod
     def parse(cls, text: str) -> Credential:
@@ -78,7 +86,7 @@ class Credential:
             raise PermissionDenied(f"malformed {HEADER} credential")
         return cls(parts[0], int(parts[1]), int(parts[2]), parts[3])
 
-    def __repr__(self) -> str:  # the MAC is a secret
+    def __repr__(self) -> str:  # a bearer credential: whoever holds it acts as the member, so it stays out of logs
         return f"Credential({self.subject})"
 
 
@@ -90,34 +98,32 @@ def presented(metadata: Iterable[tuple[str, str | bytes]] | None) -> Credential:
     raise PermissionDenied(f"no {HEADER} credential: register with the coordinator first")
 
 
-class MemberKeys:
-    """Mints and verifies credentials with one job key (the coordinator's; a PS shard's copy)."""
+class MemberVerifier:
+    """Verifies credentials with the job's public key (a PS shard's; the coordinator's ``MemberKeys`` is one)."""
 
-    def __init__(self, job_key: bytes) -> None:
-        if len(job_key) < 16:
-            raise ValueError("a job key needs at least 16 bytes")
-        self._key = job_key
-
-    @classmethod
-    def generate(cls) -> MemberKeys:
-        return cls(os.urandom(KEY_BYTES))
+    def __init__(self, public_key: bytes) -> None:
+        if len(public_key) != KEY_BYTES:
+            raise ValueError(f"a job's public key has {KEY_BYTES} bytes, got {len(public_key)}")
+        self._public = Ed25519PublicKey.from_public_bytes(public_key)
+        self._verified: set[str] = set()  # encoded credentials whose signature checked out
 
     @property
-    def job_key(self) -> bytes:
-        return self._key
-
-    def __repr__(self) -> str:
-        return "MemberKeys(<hidden>)"
-
-    def mint(self, role: str, member_id: int, incarnation: int = 0) -> Credential:
-        subject = f"{role}:{member_id}:{incarnation}"
-        return Credential(role, member_id, incarnation, self._mac(subject))
+    def public_key(self) -> bytes:
+        return self._public.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
     def verify(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Credential:
         """The caller's credential, checked against the key; PermissionDenied if forged or absent."""
         credential = presented(metadata)
-        if not hmac.compare_digest(credential.mac, self._mac(credential.subject)):
-            raise PermissionDenied(f"the credential for {credential.name} was not issued by this job")
+        encoded = credential.encode()
+        if encoded in self._verified:
+            return credential
+        try:
+            self._public.verify(bytes.fromhex(credential.signature), credential.subject.encode())
+        except (InvalidSignature, ValueError):
+            raise PermissionDenied(f"the credential for {credential.name} was not issued by this job") from None
+        if len(self._verified) >= VERIFIED_KEPT:
+            self._verified.clear()
+        self._verified.add(encoded)
         return credential
 
     def require(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: str, member_id: int) -> Credential:
@@ -127,8 +133,32 @@ class MemberKeys:
             raise PermissionDenied(f"the caller is {credential.name}; it may not act for {role} {member_id}")
         return credential
 
-    def _mac(self, subject: str) -> str:
-        return hmac.new(self._key, subject.encode(), hashlib.sha256).hexdigest()
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(<hidden>)"
+
+
+class MemberKeys(MemberVerifier):
+    """The coordinator's side: mints credentials with the job key and verifies them like a shard does."""
+
+    def __init__(self, job_key: bytes) -> None:
+        if len(job_key) != KEY_BYTES:
+            raise ValueError(f"a job key has {KEY_BYTES} bytes, got {len(job_key)}")
+        self._private = Ed25519PrivateKey.from_private_bytes(job_key)
+        super().__init__(self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+
+    @classmethod
+    def generate(cls) -> MemberKeys:
+        key = Ed25519PrivateKey.generate()
+        return cls(key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+
+    @property
+    def job_key(self) -> bytes:
+        """The private key, kept in the coordinator's ``job.key``; it never leaves the coordinator."""
+        return self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+    def mint(self, role: str, member_id: int, incarnation: int = 0) -> Credential:
+        subject = f"{role}:{member_id}:{incarnation}"
+        return Credential(role, member_id, incarnation, self._private.sign(subject.encode()).hex())
 
 
 class MemberRegistry:

@@ -77,7 +77,12 @@ stop``, a failed probe): a launcher restarts nothing on 2 or 3, nor do the units
 
 JOIN_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED)
 """Registration errors that mean "not yet": a restarting coordinator (CANCELLED: the call reached it as it
-stopped), or one whose failed job is ending."""
+stopped), one whose failed job is ending, or (UNAVAILABLE) a slot whose previous process is still heard from:
+a restart at the same address takes it once that process has been silent for transport.heartbeat_timeout_s."""
+
+HEARTBEAT_JOIN_S = 5.0
+"""How long the drain waits for the heartbeat thread once the coordinator channel is closed. Closing the channel
+cancels a beat in flight, so the thread ends at once; the bound only keeps a stuck thread from holding the exit."""
 
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (SecurityError, 2),  # settings that cannot work: retrying will not help
@@ -88,6 +93,20 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (Stopped, 0),  # SIGTERM while waiting to join: the orderly stop it asks for, not a failure
 )
 """Expected failures and their exit codes; anything else propagates (traceback, exit 1)."""
+
+
+def join_waits_s(args: argparse.Namespace) -> float:
+    """The longest a member waits on the coordinator before it can send READY=1: reaching it (``wait_until_reachable``)
+    and then joining (``MemberProcess.join``, retried while it cannot take members yet) each get
+    ``--connect-timeout-s``. A systemd unit (Type=notify) must allow more than this for its start, or it kills a
+    member that is still within its own deadlines (units: TimeoutStartSec)."""
+    return 2 * float(args.connect_timeout_s)
+
+
+def drain_waits_s(grace_s: float) -> float:
+    """The longest ``MemberProcess``'s drain takes beyond its resources' own closing: the server's grace, then the
+    heartbeat thread. Each member adds what its body and resources may wait (``worst_case_stop_s`` of each main)."""
+    return grace_s + HEARTBEAT_JOIN_S
 
 
 def _started(value: T | None, what: str) -> T:
@@ -256,8 +275,10 @@ class MemberProcess:
 
     def join(self, register: Callable[[], T]) -> T:
         """Call ``register`` (the member's registration RPC), retrying while the coordinator cannot
-        take it yet: it is restarting (UNAVAILABLE) or still winding down the job it failed
-        (FAILED_PRECONDITION). Bounded by ``--connect-timeout-s``; a stop ends it at once. The reply's
+        take it yet: it is restarting (UNAVAILABLE), still winding down the job it failed
+        (FAILED_PRECONDITION), or this member's slot is held by a process still heard from (UNAVAILABLE:
+        this process's predecessor, until the heartbeat timeout). Bounded by ``--connect-timeout-s``, which
+        must exceed the job's ``transport.heartbeat_timeout_s``; a stop ends it at once. The reply's
         ``member_credential`` is presented on every later call of this process's channels (issue 8)."""
         deadline = time.monotonic() + self.args.connect_timeout_s
         delay = 0.2
@@ -328,7 +349,7 @@ class MemberProcess:
             self.served.server.stop(self.args.grace_s)
             self.channel.close()  # cancels a heartbeat in flight
             if self.heartbeat is not None:
-                self.heartbeat.join(CONTROL_TIMEOUT_S)
+                self.heartbeat.join(HEARTBEAT_JOIN_S)
             self._enter(MemberState.STOPPED)
 
     def _exit_code(self, exc: Exception) -> int:
@@ -347,6 +368,8 @@ class MemberProcess:
         while not self._heartbeat_off.wait(interval_s):
             request.rss_bytes = rss_bytes()
             self.memory_guard.observe(request.rss_bytes)
+            if self._heartbeat_off.is_set():  # the drain left this thread behind and closed the channel: a call
+                return  # on a closed channel can crash gRPC (a segfault in the exiting process, seen in a test)
             try:
                 directive = self.coordinator.Heartbeat(request, timeout=min(CONTROL_TIMEOUT_S, coordinator_timeout_s))
             except grpc.RpcError as exc:

@@ -1,5 +1,6 @@
 """The Ansible playbook, run for real against localhost into a temporary root (services off)."""
 
+import argparse
 import getpass
 import grp
 import os
@@ -9,10 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jinja2
 import pytest
 import yaml
 
-from pstrain.coordinator.config import load_config
+from pstrain.coordinator import main as coordinator_main
+from pstrain.coordinator.config import TransportConfig, load_config
+from pstrain.ps_server import main as ps_main
+from pstrain.worker import main as worker_main
 from tests.helpers import REPO_ROOT, build_wheel
 
 ANSIBLE = REPO_ROOT / "ansible"
@@ -129,7 +134,7 @@ def test_playbook_installs_everything(deployed, tmp_path):
     assert "--devices cpu,cpu" in worker and "--token-file /etc/pstrain/token" in worker
     assert "PrivateDevices=" not in worker and "MemoryDenyWriteExecute=" not in worker
     assert "PrivateDevices=yes" in (units / "pstrain-ps@.service").read_text()
-    assert "TimeoutStopSec=30" in (units / "pstrain-coordinator.service").read_text()  # > the 10 s grace
+    assert "TimeoutStopSec=60" in (units / "pstrain-coordinator.service").read_text()  # > its stop path, 10 s grace
     envs = {p.name: p.read_text() for p in (root / "etc/pstrain").glob("ps-*.env")}
     assert sorted(envs) == ["ps-0.env", "ps-1.env"]
     assert "PSTRAIN_PS_PORT=7101" in envs["ps-1.env"] and "PSTRAIN_PS_METRICS_PORT=9411" in envs["ps-1.env"]
@@ -240,3 +245,96 @@ def test_an_inventory_token_is_used_as_given(tmp_path):
     assert (root / "etc/pstrain/token").read_text().strip() == given
     assert (root / "etc/pstrain/token").stat().st_mode & 0o777 == 0o600
     assert not (tmp_path / "pstrain-credentials").exists()  # nothing generated
+
+
+# ------------------------------------------------------------------ the units' start and stop timeouts
+# Rendered in-process (jinja2, with the two Ansible filters the units use) so each check takes milliseconds; the
+# playbook tests above render the same templates through Ansible itself.
+
+ROLES = {"coordinator": "pstrain_coordinator", "ps": "pstrain_ps", "worker": "pstrain_worker"}
+UNITS = {
+    "coordinator": "pstrain-coordinator.service.j2",
+    "ps": "pstrain-ps@.service.j2",
+    "worker": "pstrain-worker.service.j2",
+}
+PARSE = {"coordinator": coordinator_main.parse_args, "ps": ps_main.parse_args, "worker": worker_main.parse_args}
+
+
+def ansible_bool(value: object) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def unit_variables(**overrides: object) -> dict[str, object]:
+    """The role defaults (their own templates resolved) with ``overrides``, as one host of a play sees them."""
+    variables: dict[str, object] = yaml.safe_load((ANSIBLE / "roles/pstrain/defaults/main.yml").read_text())
+    variables.update(overrides)
+    variables.update(
+        ansible_managed="managed",
+        inventory_hostname="host-1",
+        groups={"coordinator": ["host-0"]},
+        playbook_dir=str(ANSIBLE),
+        inventory_dir=str(ANSIBLE),
+    )
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    for _ in range(3):  # defaults that name other defaults, e.g. pstrain_token_file
+        for key, value in variables.items():
+            if isinstance(value, str) and "{{" in value:
+                variables[key] = env.from_string(value).render(variables)
+    return variables
+
+
+def render_unit(role: str, **overrides: object) -> dict[str, str]:
+    """``role``'s unit rendered with ``overrides``: its [Service] settings, by name (the last one wins)."""
+    loader = jinja2.FileSystemLoader([str(ANSIBLE / "roles" / ROLES[role] / "templates"), str(ANSIBLE / "templates")])
+    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, trim_blocks=True)
+    env.filters.update(bool=ansible_bool, regex_replace=lambda value, pattern, repl: re.sub(pattern, repl, value))
+    text = env.get_template(UNITS[role]).render(unit_variables(**overrides))
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+
+
+def exec_args(role: str, unit: dict[str, str]) -> argparse.Namespace:
+    """What the service's own parser makes of the unit's ExecStart (a shard's ports come from its env file, its id
+    from the instance name)."""
+    argv = re.sub(r"\$\{\w+\}", "7100", unit["ExecStart"]).replace("%i", "0").split()[1:]
+    return PARSE[role](argv)
+
+
+START_SETTINGS = [{}, {"pstrain_connect_timeout_s": 30, "pstrain_cluster_timeout_s": 1800, "pstrain_start_work_s": 60}]
+
+
+@pytest.mark.parametrize("settings", START_SETTINGS, ids=["defaults", "inventory"])
+@pytest.mark.parametrize("role", ["ps", "worker"])
+def test_a_members_start_timeout_outlasts_its_own_waits_for_the_cluster(role, settings):
+    """Type=notify: READY=1 only once the member joined and serves. systemd's default 90 s TimeoutStartSec killed a
+    worker still within its --connect-timeout-s (120) and --cluster-timeout-s (600) waits, over and over: the unit's
+    timeout must exceed the waits the member's own flags allow, plus the time for its own start-up work."""
+    variables = unit_variables(**settings)
+    unit = render_unit(role, **settings)
+    args = exec_args(role, unit)
+    assert args.connect_timeout_s == variables["pstrain_connect_timeout_s"]  # the flags come from the inventory
+    if role == "worker":
+        assert args.cluster_timeout_s == variables["pstrain_cluster_timeout_s"]
+    assert unit["Type"] == "notify"
+    waits = (worker_main if role == "worker" else ps_main).start_waits_s(args)
+    assert float(unit.get("TimeoutStartSec", 90)) >= waits + variables["pstrain_start_work_s"], unit
+
+
+def test_the_coordinators_start_timeout_is_its_start_up_work():
+    unit = render_unit("coordinator", pstrain_start_work_s=450)
+    assert unit["Type"] == "notify" and unit["TimeoutStartSec"] == "450"
+
+
+@pytest.mark.parametrize("grace_s", [10, 45])
+@pytest.mark.parametrize("role", ["coordinator", "ps", "worker"])
+def test_a_units_stop_timeout_outlasts_its_members_stop_path(role, grace_s):
+    """TimeoutStopSec was grace + 20 s while a worker's stop may wait 30 s for its trainer thread, then the grace,
+    then 30 s for the heartbeat thread (and a shard waits for its checkpoint writers): systemd SIGKILLed members
+    mid-drain. The unit must outlast each member's own bounded stop waits, with time left for the process to exit."""
+    unit = render_unit(role, pstrain_grace_s=grace_s)
+    args = exec_args(role, unit)
+    assert args.grace_s == grace_s
+    if role == "coordinator":
+        bound = coordinator_main.worst_case_stop_s(args.grace_s, args.linger_s, TransportConfig().heartbeat_s)
+    else:
+        bound = (worker_main if role == "worker" else ps_main).worst_case_stop_s(args.grace_s)
+    assert float(unit["TimeoutStopSec"]) >= bound + 15, (unit["TimeoutStopSec"], bound)

@@ -24,6 +24,7 @@ from pstrain.coordinator.plan import job_spec, make_plan
 from pstrain.coordinator.service import CoordinatorServicer
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
+from pstrain.protos.codec import encode_named_tensors
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.transport import open_channel, start_server
 from pstrain.worker.coordinator_link import CoordinatorLink
@@ -218,6 +219,52 @@ def test_buffers_travel_both_ways_over_grpc_checked_before_allocation(tmp_path):
         channel.close()
         server.stop(0)
         job.close()
+
+
+def final_buffers(value: float) -> dict[str, torch.Tensor]:
+    """Worker 0's final buffers as it uploads them for model.pt: the model's own names, one replica."""
+    return {n: torch.full_like(b, int(value) if b.dtype == torch.int64 else value) for n, b in bn_mlp().named_buffers()}
+
+
+def test_final_buffers_that_miss_some_of_the_models_are_refused_and_keep_nothing(tmp_path):
+    """A partial UploadBuffers was kept: model.pt then mixed trained statistics with initial ones, an empty one
+    ended the export's wait for buffers, and either replaced a whole upload kept before."""
+    job = make_job(tmp_path)
+    start(job)
+    server = start_server(
+        "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
+    )
+    channel = open_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.CoordinatorStub(channel)
+    whole = final_buffers(3.0)
+    partial = {"1.running_mean": whole["1.running_mean"]}
+    try:
+        for upload in (partial, {}):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.UploadBuffers(encode_named_tensors(upload, 16), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            missing = sorted(set(whole) - set(upload))
+            assert f"missing {missing}" in refused.value.details()
+            assert "nothing was kept" in refused.value.details()
+            assert job.export._buffers is None  # the export still waits for worker 0's buffers
+        stub.UploadBuffers(encode_named_tensors(whole, 16), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:  # a partial one later leaves the whole one as it was
+            stub.UploadBuffers(encode_named_tensors({"1.running_var": torch.zeros(6)}, 16), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert set(job.export._buffers) == set(whole)
+        assert all(torch.equal(job.export._buffers[n], t) for n, t in whole.items())
+    finally:
+        channel.close()
+        server.stop(0)
+        job.close()
+
+
+def test_slot_buffers_with_a_name_the_model_lacks_are_refused_naming_it():
+    store = BufferStore(bn_mlp(), WORKERS, REPLICAS)
+    extra = {**slot(1.0), "2/1.running_mean": torch.zeros(6)}  # a third replica the job does not have
+    with pytest.raises(InvalidRequest, match=r"unknown \['2/1.running_mean'\]"):
+        store.put(0, 3, extra)
+    assert store.newest(0, 3) is None
 
 
 class FakeLink:

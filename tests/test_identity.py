@@ -7,16 +7,19 @@ PERMISSION_DENIED and the job (parameters, ledger, data shards) is exactly as be
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 
 import grpc
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pstrain.coordinator.service import CoordinatorServicer
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.protos.codec import encode_chunks
+from pstrain.protos.codec import encode_chunks, encode_named_tensors
 from pstrain.ps_server.admission import ShardGate
 from pstrain.ps_server.service import ParameterServerServicer, add_parameter_server
 from pstrain.ps_server.shard import ParameterShard
@@ -25,6 +28,7 @@ from pstrain.runtime.identity import (
     Credential,
     MemberKeys,
     MemberRegistry,
+    MemberVerifier,
     NotIssued,
     PermissionDenied,
 )
@@ -64,7 +68,29 @@ def test_a_credential_verifies_only_for_its_member_and_key() -> None:
         MemberKeys.generate().require(meta(worker0), "worker", 0)  # another job's key
     with pytest.raises(PermissionDenied, match="malformed"):
         keys.require(meta("worker:0"), "worker", 0)
-    assert worker0.mac not in repr(worker0) and "hidden" in repr(keys)
+    assert worker0.signature not in repr(worker0) and "hidden" in repr(keys)
+
+
+def test_what_a_shard_is_given_verifies_credentials_but_cannot_make_one() -> None:
+    """A shard gets the job's public key: whoever registers as a shard (anyone with the bearer token, while its id
+    is free) can check workers' credentials, not mint one (with the HMAC key of before, it could act as any)."""
+    keys = MemberKeys.generate()
+    shard = MemberVerifier(keys.public_key)
+    worker0 = keys.mint("worker", 0, 2)
+    assert shard.require(meta(worker0), "worker", 0) == worker0
+    assert not hasattr(shard, "mint") and keys.job_key not in (keys.public_key, b"")
+    subject = b"worker:1:0"
+    for made in (
+        hmac.new(keys.public_key, subject, hashlib.sha256).hexdigest(),  # the old scheme, with what a shard holds
+        Ed25519PrivateKey.from_private_bytes(keys.public_key).sign(subject).hex(),  # the public key as a private one
+        "zz" * 64,  # not hex at all
+    ):
+        with pytest.raises(PermissionDenied, match="not issued by this job"):
+            shard.require(meta(Credential("worker", 1, 0, made)), "worker", 1)
+    with pytest.raises(ValueError, match="32 bytes"):
+        MemberVerifier(b"short")
+    with pytest.raises(ValueError, match="32 bytes"):
+        MemberKeys(b"0" * 16)
 
 
 def test_the_registry_accepts_only_the_newest_registration_of_a_slot() -> None:
@@ -164,7 +190,7 @@ def guarded_coordinator(tmp_path):
     ps = []
     for i in range(3):
         reply = stub.RegisterParameterServer(pb.RegisterPsRequest(shard_id=i, address=f"127.0.0.1:{5000 + i}"))
-        assert reply.member_credential and reply.job_key == registry.keys.job_key
+        assert reply.member_credential and reply.job_key == registry.keys.public_key != registry.keys.job_key
         stub.ParameterServerReady(pb.PsReadyRequest(shard_id=i), metadata=meta(reply.member_credential))
         ps.append(reply.member_credential)
     workers = []
@@ -263,6 +289,7 @@ def test_upload_buffers_refuses_unknown_and_huge_claims_before_allocating(guarde
         stub.UploadBuffers(iter([unknown]), timeout=10)  # and never without a worker's credential
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert job.export._buffers is None  # nothing was kept
-    good = encode_chunks(torch.ones(6), 1024, name=name)
+    # every buffer of the model: a partial set is refused too (test_buffers_commit.py)
+    good = encode_named_tensors({n: torch.ones_like(b) for n, b in job.model.model.named_buffers()}, 1024)
     stub.UploadBuffers(good, metadata=meta(workers[0]), timeout=10)
     assert torch.equal(job.export._buffers[name], torch.ones(6))

@@ -11,6 +11,7 @@ from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
 from pstrain.coordinator.job import Job, JobState
 from pstrain.coordinator.ledger import StepReport
+from pstrain.coordinator.membership import HolderAlive
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import job_spec, make_plan
 from pstrain.protos import pstrain_pb2 as pb
@@ -245,11 +246,17 @@ def test_a_worker_registering_again_before_the_start_keeps_its_slot(tmp_path):
     """A worker whose process restarted (a unit's restart, at its fixed port) or whose registration's reply was lost
     registers again before the job starts: it gets its own slot back, not a second one that would leave a ghost
     (the job would then start without the real last worker, or fail when the ghost goes silent)."""
-    job, _, _, _ = make_job(tmp_path)
+    job, clock, _, _ = make_job(tmp_path)
     for i in range(3):
         job.register_ps(i, f"127.0.0.1:{5000 + i}")
         job.ps_ready(i)
     assert job.register_worker("127.0.0.1:6000", [], "hostA") == 0
+    assert job.register_worker("127.0.0.1:6000", [], "hostA", proven=0) == 0  # its own process, credential in hand
+    with pytest.raises(HolderAlive, match="worker 0 at 127.0.0.1:6000 .* heard from 0.0 s ago"):
+        job.register_worker("127.0.0.1:6000", [], "hostA")  # no proof while worker 0 is heard from: it retries
+    clock.now += 31  # a restarted process: its predecessor fell silent
+    for i in range(3):
+        job.heartbeat("ps", i)
     assert job.register_worker("127.0.0.1:6000", [], "hostA") == 0 and job.state == JobState.WAITING
     assert job.register_worker("127.0.0.1:6000", [], "hostB") == 1  # another host advertising the same address
     assert job.state == JobState.RUNNING
@@ -345,7 +352,9 @@ def test_membership_refuses_a_second_live_registration_until_the_holder_is_silen
     clock = Clock()
     members = membership(clock)
     members.register_ps(0, "a:1")
-    members.register_ps(0, "a:1")  # a retried call from the same process
+    members.register_ps(0, "a:1", proven=True)  # the same process again, with its current credential
+    with pytest.raises(HolderAlive, match="ps shard 0 at a:1 was heard from 0.0 s ago"):
+        members.register_ps(0, "a:1")  # no proof: anyone may name a:1
     clock.now += 30
     with pytest.raises(AlreadyRegistered, match="shard 0 is already served by a:1"):
         members.register_ps(0, "b:1")
@@ -591,16 +600,22 @@ def test_a_member_that_restarts_mid_job_rolls_the_cluster_back(tmp_path):
     """Under systemd a restarted PS shard (its state lost) or worker re-registers: the job fails
     retryably, every member is told so (and exits 1 for its unit to restart it), and the restarted
     coordinator resumes from the last committed checkpoint."""
-    job, _, _, _ = make_job(tmp_path)
+    job, clock, _, _ = make_job(tmp_path)
     start(job)
+    with pytest.raises(HolderAlive, match="ps shard 1 at 127.0.0.1:5001 was heard from"):
+        job.register_ps(1, "127.0.0.1:5001")  # the old process may still be alive: not yet a restart
+    assert job.state == JobState.RUNNING
+    clock.now += 31
     with pytest.raises(WrongState, match="PS shard 1 restarted at 127.0.0.1:5001"):
         job.register_ps(1, "127.0.0.1:5001")
     assert job.state == JobState.FAILED and job.failure_retryable
     directive = job.heartbeat("worker", 0)
     assert directive.stop and directive.retryable and "last committed checkpoint" in directive.reason
 
-    job, _, _, _ = make_job(tmp_path / "w")
+    job, clock, _, _ = make_job(tmp_path / "w")
     start(job)
+    clock.now += 31
+    job.heartbeat("worker", 0)  # only worker 1 fell silent
     with pytest.raises(WrongState, match="worker 1 on host h restarted"):
         job.register_worker("127.0.0.1:6001", [], "h")
     assert job.heartbeat("ps", 0).retryable

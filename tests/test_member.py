@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.runtime.member import MemberProcess, MemberState, add_member_flags
+from pstrain.runtime.member import MemberProcess, MemberState, add_member_flags, drain_waits_s
 from pstrain.runtime.security import SecurityError
 from pstrain.runtime.transport import open_channel, start_server
 
@@ -184,6 +184,35 @@ def test_the_stop_event_drains_the_member(tmp_path, coordinator, notify):
     assert closed == [("second", *draining), ("first", *draining)]
     assert notify() == ["READY=1", "STOPPING=1"]
     assert_drained(member, member.served.address)
+
+
+def test_a_stuck_heartbeat_thread_holds_the_drain_no_longer_than_its_bound(tmp_path, coordinator, notify):
+    """The units' TimeoutStopSec is computed from ``drain_waits_s``: a heartbeat thread stuck outside its RPC (which
+    closing the channel would cancel) used to hold the exit 30 s, past the unit's timeout, so systemd SIGKILLed it."""
+    _, address = coordinator(NO_STOP)
+    member = make_member(member_args(address, tmp_path))
+    beating, release = threading.Event(), threading.Event()
+
+    def stuck(rss: int) -> None:
+        beating.set()
+        release.wait(WAIT_S)
+
+    member.memory_guard.observe = stuck  # type: ignore[method-assign]
+
+    def body(m: MemberProcess) -> int:
+        m.ready()
+        m.start_heartbeat(1, 0.01, stop_when_job_ends=True)
+        assert beating.wait(WAIT_S)
+        return 0
+
+    try:
+        started = time.monotonic()
+        assert member.run(body) == 0
+        drained_s = time.monotonic() - started
+    finally:
+        release.set()
+    assert drained_s < drain_waits_s(member.args.grace_s) + 3.0, drained_s
+    assert member.state is MemberState.STOPPED
 
 
 def test_shutdown_runs_when_the_body_raises(tmp_path, coordinator, notify):

@@ -162,6 +162,7 @@ def test_membership_records_heartbeat_rss_and_the_status_carries_the_forecast(tm
     assert registry.get_sample_value("pstrain_coordinator_ps_memory_trend", {"trend": "growing"}) == 1.0
     assert registry.get_sample_value("pstrain_coordinator_ps_memory_trend", {"trend": "plateau"}) == 0.0
 
+    clock.now += 31  # shard 1's process died: silent past the heartbeat timeout (30 s)
     job.membership.register_ps(1, "127.0.0.1:5001")  # the same shard registers again (restarted): its curve starts anew
     assert len(job.membership.ps(1).memory) == 0
     assert job.status().ps_memory_trend == "unknown"

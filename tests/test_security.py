@@ -205,6 +205,39 @@ def test_push_without_token_leaves_the_shard_unchanged(pki):
         server.stop(0)
 
 
+def test_shard_status_needs_the_token_not_a_member_credential_and_health_stays_open():
+    """What an operator's grpcurl holds is the token, not a member credential: GetShardStatus (versions, bytes held,
+    a worker's last step) is refused without the token, answered with it alone, and health needs neither."""
+    from pstrain.ps_server.admission import ShardGate
+    from pstrain.runtime.identity import MemberKeys
+
+    servicer = ParameterServerServicer()
+    servicer.gate = ShardGate(MemberKeys.generate(), max_devices=1)  # the job's credentials, as pstrain-ps has them
+    server = start_server(
+        "127.0.0.1:0", [(add_parameter_server, servicer)], ["ParameterServer"], TransportSecurity(token=TOKEN), aio=True
+    )
+    shard = ParameterShard(0, 0, 4, torch.zeros(4), pb.OptimizerSpec(name="sgd"), pb.LrSchedule(scaled_lr=1.0), 2)
+    servicer.attach(shard, 1024)
+    server.set_serving(True)
+    health = health_pb2.HealthCheckRequest(service="pstrain.v1.ParameterServer")
+    address = f"127.0.0.1:{server.port}"
+    try:
+        for token in (None, "wrong-" + TOKEN):
+            with open_channel(address, TransportSecurity(token=token)) as channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(worker_id=1), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "authorization: Bearer <token>" in err.value.details()
+                serving = health_pb2_grpc.HealthStub(channel).Check(health, timeout=10).status
+                assert serving == health_pb2.HealthCheckResponse.SERVING
+        with open_channel(address, TransportSecurity(token=TOKEN)) as channel:
+            status = pb_grpc.ParameterServerStub(channel).GetShardStatus(pb.ShardStatusRequest(worker_id=1), timeout=10)
+        assert status.end == 4 and status.optimizer == "sgd" and status.worker_step == -1
+    finally:
+        shard.close()
+        server.stop(0)
+
+
 # ------------------------------------------------------------------ issue 8: secure by default, refusals visible
 
 

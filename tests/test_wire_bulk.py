@@ -841,7 +841,7 @@ def test_the_ps_unit_passes_no_bulk_when_tls_is_configured() -> None:
         "pstrain_ps_bulk": True, "pstrain_grace_s": 10, "pstrain_log_level": "info", "pstrain_tls_ca": "",
         "pstrain_tls_cert": "", "pstrain_tls_key": "", "pstrain_token_file": "/t", "pstrain_insecure": False,
         "pstrain_metrics_host": "", "pstrain_ps_memory_max": "1G", "pstrain_limit_nofile": 1024,
-        "pstrain_state_dir": "/var/lib/pstrain",
+        "pstrain_state_dir": "/var/lib/pstrain", "pstrain_connect_timeout_s": 120, "pstrain_start_work_s": 300,
     }  # fmt: skip
     template = env.get_template("pstrain-ps@.service.j2")
 

@@ -99,8 +99,10 @@ def test_a_silent_worker_is_vacated_the_step_held_and_its_replacement_redoes_it(
 
 
 def test_a_replacement_for_a_worker_that_pushed_but_never_reported_stands_in_for_its_report(tmp_path):
-    job, _, _ = replacing_job(tmp_path)
+    job, clock, _ = replacing_job(tmp_path)
     job.report_step(report(0, 0, loss=2.0))
+    clock.now += 31  # worker 1 died: silent past the heartbeat timeout (a live one's address is no restart)
+    job.heartbeat("worker", 0), [job.heartbeat("ps", i) for i in range(3)]
     job.register_worker("127.0.0.1:6001", [], "h")  # worker 1 restarted at its own address
     assert job.worker_slot(1).start_step == 0
     assert not job.rejoin_at(1, 1).stop  # it pulled version 1: its dead predecessor had pushed step 0
@@ -148,8 +150,10 @@ def test_replacement_when_every_slot_is_taken_probes_the_holders(tmp_path):
 
 
 def test_shards_at_different_versions_or_no_replacement_in_time_roll_back(tmp_path):
-    job, _, _ = replacing_job(tmp_path / "a")
-    job.register_worker("127.0.0.1:6001", [], "h")
+    job, clock, _ = replacing_job(tmp_path / "a")
+    clock.now += 31  # worker 1 died: silent past the heartbeat timeout
+    job.heartbeat("worker", 0), [job.heartbeat("ps", i) for i in range(3)]
+    job.register_worker("127.0.0.1:6001", [], "h")  # and restarted at its own address
     directive = job.rejoin_at(1, -1, "shards returned different versions [3, 4]")
     assert directive.stop and directive.retryable and job.state == JobState.FAILED
     job.close()

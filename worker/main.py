@@ -27,7 +27,14 @@ from pstrain.runtime import host_pinning
 from pstrain.runtime.factories import FactoryError, LossFn, build_dataset, build_model, resolve_loss
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED, EXIT_RESTART, MemberProcess, add_member_flags
+from pstrain.runtime.member import (
+    EXIT_JOB_FAILED,
+    EXIT_RESTART,
+    MemberProcess,
+    add_member_flags,
+    drain_waits_s,
+    join_waits_s,
+)
 from pstrain.runtime.ps_api import Cancelled, PsClientError
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
@@ -42,6 +49,23 @@ from pstrain.worker.slot_buffers import SlotBufferCheckpoints
 from pstrain.worker.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+TRAINER_JOIN_S = 30.0
+"""After SIGTERM cancels its parameter-server calls, how long the trainer thread gets to leave the step it is in
+(a forward/backward pass is not interruptible) before the worker drains without it."""
+
+
+def start_waits_s(args: argparse.Namespace) -> float:
+    """The longest the worker waits on others before READY=1: the coordinator (``join_waits_s``), then every PS
+    shard (``--cluster-timeout-s``). Its own work (building the model, the memory probe) comes on top."""
+    return join_waits_s(args) + float(args.cluster_timeout_s)
+
+
+def worst_case_stop_s(grace_s: float) -> float:
+    """The longest the worker's own waits hold its exit after SIGTERM: the trainer's step (``TRAINER_JOIN_S``),
+    then the member's drain (``drain_waits_s``). The unit's TimeoutStopSec must exceed it, or systemd SIGKILLs a
+    worker that is still draining."""
+    return TRAINER_JOIN_S + drain_waits_s(grace_s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -127,7 +151,7 @@ def run_interruptibly(trainer: Trainer, stop: threading.Event) -> int | None:
     if not done.is_set():
         log.info("stopping: cancelling in-flight parameter-server calls")
         trainer.ps.close(cancel=True)
-        thread.join(timeout=30)
+        thread.join(timeout=TRAINER_JOIN_S)
         return 0
     if errors:
         raise errors[0]

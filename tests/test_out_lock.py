@@ -1,0 +1,74 @@
+"""One ``pstrain local`` run per ``--out``: a second run fails at once (exit 2) naming the holder; a dead run's
+lock (SIGKILL) never blocks, since the kernel drops an ``flock`` with its holder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pstrain.launcher.out_lock import LOCK_NAME, OutDirBusy, hold_out_dir
+from tests.helpers import REPO_ROOT, child_env, start_local, stop_local, wait_for, write_job
+
+HOLD = "import sys; from pathlib import Path; from pstrain.launcher.out_lock import hold_out_dir\n" + (
+    "with hold_out_dir(Path(sys.argv[1])):\n    sys.stdin.read()"  # held until killed, or stdin closes
+)
+
+
+def lock_holder(out: Path) -> int | None:
+    """The pid written into ``<out>/pstrain.lock``, once a holder has written it."""
+    text = (out / LOCK_NAME).read_text().strip() if (out / LOCK_NAME).exists() else ""
+    return int(text) if text.isdigit() else None
+
+
+def test_a_second_local_run_into_the_same_out_fails_at_once_naming_the_holder(tmp_path):
+    job = write_job(
+        tmp_path / "job.yaml",
+        job={"steps": 100000, "seed": 3},  # still training when the second run starts; stopped below
+        cluster={"ps_shards": 1, "workers": 1, "devices_per_worker": 1},
+    )
+    out = tmp_path / "out"
+    first_marker, second_marker = uuid.uuid4().hex, uuid.uuid4().hex
+    first = start_local(job, out, first_marker)
+    second = None
+    try:
+        wait_for(lambda: (out / "coordinator.port").exists(), 120, "the first run's cluster to start")
+        second = start_local(job, out, second_marker)
+        try:
+            _, stderr = second.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the second run into the same --out was not refused") from None
+        assert second.returncode == 2, stderr[-3000:]
+        assert f"--out {out} is in use by another pstrain local run (pid {first.pid})" in stderr
+        assert "Traceback" not in stderr
+        assert first.poll() is None, "the refused run must leave the first one alone"
+        assert lock_holder(out) == first.pid
+    finally:
+        if second is not None:
+            stop_local(second, second_marker)
+        stop_local(first, first_marker)
+
+
+def test_a_killed_runs_lock_does_not_block_the_next_run(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)], cwd=REPO_ROOT, env=child_env(uuid.uuid4().hex), stdin=subprocess.PIPE
+    )
+    try:
+        wait_for(lambda: lock_holder(out) == holder.pid, 60, "the holder to lock --out")
+        with pytest.raises(OutDirBusy, match=f"pid {holder.pid}"), hold_out_dir(out):
+            pass
+        holder.kill()  # SIGKILL: no clean-up runs, the lock file and its stale pid stay
+        holder.wait(30)
+        assert lock_holder(out) == holder.pid
+        with hold_out_dir(out) as path:
+            assert path == out / LOCK_NAME
+            assert lock_holder(out) == os.getpid()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
