@@ -167,10 +167,7 @@ def saved_by_forward(model: nn.Module, policies: dict[str, str], inputs: torch.T
 
 def without_inputs(profile: ModelProfile) -> ModelProfile:
     """The profile as the planner read it before 2026-11-27: a recompute layer held nothing."""
-    layers = tuple(
-        replace(la, input_bytes_per_sample=0.0, input_bytes_fixed=0.0, input_saved_by="", saves_input=False)
-        for la in profile.layers
-    )
+    layers = tuple(replace(la, inputs=()) for la in profile.layers)
     return replace(profile, layers=layers)
 
 
@@ -238,8 +235,10 @@ def scaled_mlp(profile: ModelProfile, factor: int) -> ModelProfile:
             saved_bytes_per_sample=la.saved_bytes_per_sample * factor,
             saved_bytes_fixed=la.saved_bytes_fixed * factor,
             output_bytes_per_sample=la.output_bytes_per_sample * factor,
-            input_bytes_per_sample=la.input_bytes_per_sample * factor,
-            input_bytes_fixed=la.input_bytes_fixed * factor,
+            inputs=tuple(
+                replace(i, bytes_per_sample=i.bytes_per_sample * factor, bytes_fixed=i.bytes_fixed * factor)
+                for i in la.inputs
+            ),
             forward_s=la.forward_s * factor * factor,
             backward_s=la.backward_s * factor * factor,
         )

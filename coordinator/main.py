@@ -14,6 +14,7 @@ when it starts a whole cluster), it resumes from the last committed checkpoint a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import threading
 import uuid
@@ -41,10 +42,11 @@ from pstrain.coordinator.service import CoordinatorServicer, address_answers, ps
 from pstrain.coordinator.table_export import attach_table_export
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.dir_lock import COORDINATOR, DirectoryBusy, hold_directory
 from pstrain.runtime.identity import IdentityHolder, MemberKeys, MemberRegistry
 from pstrain.runtime.lifecycle import add_common_flags, sd_notify, stop_on_signals, write_port_file
 from pstrain.runtime.logs import configure_logging
-from pstrain.runtime.member import EXIT_JOB_FAILED, freeze_startup_objects, metrics_address_of
+from pstrain.runtime.member import CONNECT_TIMEOUT_S, EXIT_JOB_FAILED, freeze_startup_objects, metrics_address_of
 from pstrain.runtime.metrics import serve_metrics
 from pstrain.runtime.ps_api import RetryPolicy, with_retries
 from pstrain.runtime.ps_client import PsClient
@@ -232,8 +234,43 @@ def _build_job(
     )
 
 
+def warn_of_slow_takeovers(heartbeat_timeout_s: float) -> None:
+    """A member restarted at its own address takes its slot once its predecessor has been silent this long, within
+    its ``--connect-timeout-s``; past half the default the members may give up first (exit 1, restarted, and the
+    job may fail for the silence in between)."""
+    if heartbeat_timeout_s > CONNECT_TIMEOUT_S / 2:
+        log.warning(
+            "transport.heartbeat_timeout_s %.0f s: a member restarted at its address waits that long for its slot; "
+            "give the members a --connect-timeout-s (default %.0f s) well above it (pstrain_connect_timeout_s)",
+            heartbeat_timeout_s,
+            CONNECT_TIMEOUT_S,
+        )
+
+
+def own_directories(cfg: JobConfig, out_dir: Path | None) -> contextlib.ExitStack:
+    """Lock ``--out`` (the journal, the job key) and ``checkpoint.dir`` (the manifests) for this coordinator's life:
+    a second coordinator on either fails at once (``DirectoryBusy``, exit 2) instead of appending to our journal
+    or pruning our checkpoints (``runtime.dir_lock``)."""
+    held = contextlib.ExitStack()
+    try:
+        if out_dir is not None:
+            held.enter_context(hold_directory(out_dir, COORDINATOR, "--out", "coordinator"))
+        checkpoints = checkpoint_dir(cfg, out_dir)
+        if checkpoints is not None:
+            held.enter_context(hold_directory(checkpoints, COORDINATOR, "checkpoint.dir", "coordinator"))
+    except BaseException:
+        held.close()
+        raise
+    return held
+
+
 def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
     """Serve the job until it is over or a signal stops it; ``freeze_gc``: this is the process's own entry point."""
+    with contextlib.ExitStack() as held:  # the directories this coordinator owns, until it returns
+        return _serve(args, held, freeze_gc)
+
+
+def _serve(args: argparse.Namespace, held: contextlib.ExitStack, freeze_gc: bool) -> int:
     try:
         identity = IdentityHolder()
         security = security_from_args(args).with_identity(identity)
@@ -241,6 +278,8 @@ def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
         if args.steps is not None:
             cfg = cfg.with_steps(args.steps)
         out_dir = Path(args.out) if args.out else None
+        warn_of_slow_takeovers(cfg.transport.heartbeat_timeout_s)
+        held.enter_context(own_directories(cfg, out_dir))
         job = build_job(cfg, out_dir, security, args.fresh, recover=args.recover == "auto")
         registry = MemberRegistry(job_keys(out_dir, job.recovered))  # issue 8: the job key behind every credential
         for (role, member_id), incarnation in job.incarnations.items():
@@ -248,7 +287,7 @@ def run(args: argparse.Namespace, freeze_gc: bool = False) -> int:
                 registry.issue(role, member_id)
         identity.adopt(registry.keys.mint("coordinator", 0))  # its export pulls from the PS shards
         attach_table_export(job.export, cfg, security)  # issue 9: sparse tables into model.pt
-    except (ConfigError, SecurityError) as exc:
+    except (ConfigError, SecurityError, DirectoryBusy) as exc:
         log.error("cannot start job %s: %s", args.config, exc, exc_info=exc.__cause__ is not None)
         return 2
     stop = threading.Event()

@@ -39,10 +39,10 @@ from pstrain.launcher.local_cluster import (
     run_local,
     user_code_paths,
 )
-from pstrain.launcher.out_lock import OutDirBusy, hold_out_dir
 from pstrain.planner.bucket_plan import NETWORK_BYTES_S, CommModel, choose_bucket_bytes, layers_of, measure_update_rate
 from pstrain.planner.bucket_plan import describe as describe_buckets
 from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.dir_lock import LOCAL_RUN, DirectoryBusy, hold_directory
 from pstrain.runtime.factories import FactoryError, build_model, describe_exception, import_callable
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import log_level
@@ -137,15 +137,15 @@ def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:
 
 def cmd_local(args: argparse.Namespace) -> int:
     """Train the job on this host, holding ``--out`` for the run's life so a second run cannot interleave its
-    journal and checkpoints with ours: it fails at once with exit 2 (``out_lock``)."""
+    journal and checkpoints with ours: it fails at once with exit 2 (``runtime.dir_lock``)."""
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         print(f"pstrain local: --out {out_dir}: a file is there; name a directory", file=sys.stderr)
         return 2
     try:
-        with hold_out_dir(out_dir):
+        with hold_directory(out_dir, LOCAL_RUN, "--out", "pstrain local run"):
             return _train_locally(args, out_dir)
-    except OutDirBusy as exc:
+    except DirectoryBusy as exc:
         print(f"pstrain local: {exc}", file=sys.stderr)
         return 2
 

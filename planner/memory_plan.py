@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pstrain.planner.profiler import LayerProfile, ModelProfile
+from pstrain.planner.profiler import LayerInput, LayerProfile, ModelProfile
 
 
 class Policy(str, enum.Enum):
@@ -161,28 +161,45 @@ def peak_bytes(profile: ModelProfile, batch: int, policies: dict[str, Policy], b
 
 
 def held_inputs(profile: ModelProfile, batch: int, policies: dict[str, Policy]) -> float:
-    """Inputs left on the device that no kept layer's saved bytes count: see ``_input_held``."""
-    return sum(_input_held(layer, batch, policies) for layer in profile.layers)
+    """Inputs left on the device that no kept layer's saved bytes count (see ``_holds``), each storage once: a
+    tensor two layers take (a fan-out, a view such as a Flatten's) is one tensor on the device."""
+    held: dict[tuple[str, int], float] = {}
+    for layer in profile.layers:
+        for index, each in enumerate(layer.inputs):
+            if _holds(layer, each, policies):
+                held[("", each.storage) if each.storage >= 0 else (layer.name, index)] = each.nbytes(batch)
+    return sum(held.values())
 
 
 def _input_held(layer: LayerProfile, batch: int, policies: dict[str, Policy]) -> float:
-    """What ``layer``'s input adds to the device beyond the saved bytes of the kept layers.
+    """What ``layer``'s inputs add to the device beyond the kept layers' saved bytes, as if no other layer held
+    them (the greedy's estimate; ``held_inputs`` counts a storage two layers hold once)."""
+    return sum(each.nbytes(batch) for each in layer.inputs if _holds(layer, each, policies))
 
-    A recompute layer's checkpoint holds its input, unless the kept layer that saved the input first (a ReLU
-    saving its output, the next Linear's input) holds it anyway. And a kept layer that saves its input after
-    that layer did (the Linear: the profile counts the bytes once, for the ReLU) holds it when that layer
+
+def _holds(layer: LayerProfile, each: LayerInput, policies: dict[str, Policy]) -> bool:
+    """Whether ``layer`` holds its input ``each`` on the device where no kept layer's saved bytes count it.
+
+    A recompute layer's checkpoint holds each of its inputs, unless the kept layer that saved that input first (a
+    ReLU saving its output, the next Linear's input) holds it anyway. And a kept layer that saves an input after
+    another layer did (the Linear: the profile counts the bytes once, for the ReLU) holds it when that layer
     recomputes, so recomputing the ReLU frees nothing. A swap layer's copy is on the host: a kept layer that saves
     the same tensor shares the host copy (``worker.offload``), but a checkpoint holds the device tensor.
     """
     mine = policies.get(layer.name, Policy.KEEP)
-    if not layer.input_saved_by:
-        return layer.input_bytes(batch) if mine == Policy.RECOMPUTE else 0.0
-    first = policies.get(layer.input_saved_by, Policy.KEEP)
-    if first == Policy.KEEP:
-        return 0.0
-    if mine == Policy.RECOMPUTE or (mine == Policy.KEEP and layer.saves_input and first == Policy.RECOMPUTE):
-        return layer.input_bytes(batch)
-    return 0.0
+    first = policies.get(each.saved_by, Policy.KEEP) if each.saved_by else None
+    by_checkpoint = mine == Policy.RECOMPUTE and first != Policy.KEEP
+    by_a_kept_saver = mine == Policy.KEEP and each.saved_here and first == Policy.RECOMPUTE
+    return by_checkpoint or by_a_kept_saver
+
+
+def _relying(profile: ModelProfile) -> dict[str, tuple[LayerProfile, ...]]:
+    """For each layer, the layers with an input it saved first: whose held inputs change with its policy."""
+    relying: dict[str, list[LayerProfile]] = {}
+    for layer in profile.layers:
+        for name in {each.saved_by for each in layer.inputs if each.saved_by}:
+            relying.setdefault(name, []).append(layer)
+    return {name: tuple(layers) for name, layers in relying.items()}
 
 
 def saved_on_device(profile: ModelProfile, batch: int, policies: dict[str, Policy]) -> float:
@@ -227,14 +244,17 @@ def plan_for_batch(
             if fits():
                 break
 
+        relying = _relying(profile)
+
         def freed(layer: LayerProfile) -> float:
-            """What recomputing ``layer`` frees, the other layers' policies as they stand: its saved bytes, less
-            the inputs that its checkpoint, or the layers after it, then hold."""
-            before = saved_on_device(profile, batch, policies)
+            """What recomputing ``layer`` (kept) frees, the other layers' policies as they stand: its saved bytes,
+            less the inputs its checkpoint and the layers relying on it then hold (only those change: O(degree))."""
+            touched = (layer, *relying.get(layer.name, ()))
+            before = sum(_input_held(la, batch, policies) for la in touched)
             policies[layer.name] = Policy.RECOMPUTE
-            after = saved_on_device(profile, batch, policies)
+            after = sum(_input_held(la, batch, policies) for la in touched)
             policies[layer.name] = Policy.KEEP
-            return before - after
+            return layer.saved_bytes(batch) - (after - before)
 
         kept = [la for la in candidates if policies[la.name] == Policy.KEEP]
         for layer in sorted(kept, key=lambda la: -freed(la) / max(recompute_s[la.name], 1e-9)):

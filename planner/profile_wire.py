@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pstrain.planner.profiler import LayerProfile, ModelProfile
+from pstrain.planner.profiler import LayerInput, LayerProfile, ModelProfile
 from pstrain.protos import pstrain_pb2 as pb
 
 
@@ -29,10 +29,16 @@ def profile_to_pb(profile: ModelProfile) -> pb.DeviceProfile:
                 output_bytes_per_sample=layer.output_bytes_per_sample,
                 forward_s=layer.forward_s,
                 backward_s=layer.backward_s,
-                input_bytes_per_sample=layer.input_bytes_per_sample,
-                input_bytes_fixed=layer.input_bytes_fixed,
-                input_saved_by=layer.input_saved_by,
-                saves_input=layer.saves_input,
+                inputs=[
+                    pb.LayerInput(
+                        bytes_per_sample=each.bytes_per_sample,
+                        bytes_fixed=each.bytes_fixed,
+                        saved_by=each.saved_by,
+                        saved_here=each.saved_here,
+                        storage=each.storage,
+                    )
+                    for each in layer.inputs
+                ],
             )
             for layer in profile.layers
         ],
@@ -56,10 +62,7 @@ def profile_from_pb(message: pb.DeviceProfile) -> ModelProfile:
             e.output_bytes_per_sample,
             e.forward_s,
             e.backward_s,
-            e.input_bytes_per_sample,
-            e.input_bytes_fixed,
-            e.input_saved_by,
-            e.saves_input,
+            tuple(LayerInput(i.bytes_per_sample, i.bytes_fixed, i.saved_by, i.saved_here, i.storage) for i in e.inputs),
         )
         for e in message.layers
     )
@@ -104,11 +107,14 @@ def check_profile(profile: ModelProfile, layer_names: Sequence[str] | None = Non
             f" (unknown: {_few(unknown)}; missing: {_few(missing)})"
         )
     for layer in profile.layers:
-        if layer.input_saved_by and (layer.input_saved_by == layer.name or layer.input_saved_by not in names):
-            raise ValueError(
-                f"layer {layer.name!r}: input_saved_by must name another of its layers or be empty, "
-                f"got {layer.input_saved_by!r}"
-            )
+        for each in layer.inputs:
+            _non_negative(layer.name, "an input's bytes_per_sample", each.bytes_per_sample)
+            _non_negative(layer.name, "an input's bytes_fixed", each.bytes_fixed)
+            if each.saved_by and (each.saved_by == layer.name or each.saved_by not in names):
+                raise ValueError(
+                    f"layer {layer.name!r}: an input's saved_by must name another of its layers or be empty, "
+                    f"got {each.saved_by!r}"
+                )
 
 
 LAYER_FIGURES = (
@@ -118,8 +124,6 @@ LAYER_FIGURES = (
     "output_bytes_per_sample",
     "forward_s",
     "backward_s",
-    "input_bytes_per_sample",
-    "input_bytes_fixed",
 )
 
 

@@ -8,10 +8,11 @@ and backward time. Saved tensors are seen through ``torch.autograd.graph.saved_t
 a storage is counted once, for the layer that saved it first, and parameters saved for backward
 are not activations and are not counted.
 
-It also measures each layer's input bytes and which other layer, if any, saves that input for
-backward: ``torch.utils.checkpoint`` keeps a recomputed layer's inputs from its forward to its
-backward, so recomputing a layer frees its saved bytes but holds its input unless a kept layer
-holds it anyway (a Linear after a ReLU: the ReLU saves its output, the Linear's input).
+It also measures each of a layer's inputs: its bytes, which other layer saves it for backward
+first, if one does, and whether the layer saves it itself. ``torch.utils.checkpoint`` keeps a
+recomputed layer's inputs from its forward to its backward, so recomputing a layer frees its saved
+bytes but holds its inputs, except those a kept layer holds anyway (a Linear after a ReLU: the ReLU
+saves its output, the Linear's input).
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class LayerInput:
+    """One tensor a layer takes (a storage, counted once per layer): what its checkpoint would keep."""
+
+    bytes_per_sample: float
+    bytes_fixed: float = 0.0
+    saved_by: str = ""  # the other layer that saved it for backward first ("": none, or this layer)
+    saved_here: bool = False  # this layer saves it too: kept, it holds it while ``saved_by`` recomputes
+    storage: int = -1  # the same number for every layer's input on one storage (a view, a fan-out); -1: unknown
+
+    def nbytes(self, batch: int) -> float:
+        return self.bytes_fixed + self.bytes_per_sample * batch
+
+
+@dataclass(frozen=True)
 class LayerProfile:
     name: str
     param_bytes: int
@@ -36,20 +51,13 @@ class LayerProfile:
     output_bytes_per_sample: float  # the gradient buffer backward allocates for this layer's output
     forward_s: float  # at the profile's reference batch
     backward_s: float
-    # What ``torch.utils.checkpoint`` keeps while the layer recomputes: its inputs, and the other layer that saves
-    # the (largest) input for its own backward first, if one does (then, kept, it holds those bytes anyway).
-    input_bytes_per_sample: float = 0.0
-    input_bytes_fixed: float = 0.0
-    input_saved_by: str = ""
-    # Whether the layer saves its input for backward itself, counted for ``input_saved_by`` if that one saved it
-    # first: then, while that layer recomputes, this one (kept) still holds the input.
-    saves_input: bool = False
+    inputs: tuple[LayerInput, ...] = ()  # what ``torch.utils.checkpoint`` keeps while the layer recomputes
 
     def saved_bytes(self, batch: int) -> float:
         return self.saved_bytes_fixed + self.saved_bytes_per_sample * batch
 
     def input_bytes(self, batch: int) -> float:
-        return self.input_bytes_fixed + self.input_bytes_per_sample * batch
+        return sum(each.nbytes(batch) for each in self.inputs)
 
 
 UNPROFILED_SHARE = 0.1
@@ -128,8 +136,9 @@ class _Tracker:
     started: dict[str, float] = field(default_factory=dict)
     outside: int = 0  # bytes saved while no layer ran (between layers, in a parent's own forward, in the loss)
     owner: dict[int, str] = field(default_factory=dict)  # storage -> the layer that saved it first ("": none ran)
-    inputs: dict[str, dict[int, int]] = field(default_factory=dict)  # layer -> its input storages' bytes
-    saves_input: set[str] = field(default_factory=set)  # layers that save one of their inputs for backward
+    inputs: dict[str, dict[int, int]] = field(default_factory=dict)  # layer -> its input storages' bytes, in order
+    saved_here: set[tuple[str, int]] = field(default_factory=set)  # (layer, input storage) it saves itself
+    numbers: dict[int, int] = field(default_factory=dict)  # input storage -> its number, in the order first taken
     # Every input storage noted, alive until the measurement ends: a freed one's address could be reused by a
     # tensor a later layer saves, which would then pass for the owner of this layer's input.
     alive: list[torch.UntypedStorage] = field(default_factory=list)
@@ -138,7 +147,7 @@ class _Tracker:
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if self.current and ptr in self.inputs.get(self.current[-1], {}):
-            self.saves_input.add(self.current[-1])
+            self.saved_here.add((self.current[-1], ptr))
         if ptr not in self.param_ptrs and ptr not in self.seen_storages:
             self.seen_storages.add(ptr)
             if self.current:
@@ -160,19 +169,18 @@ class _Tracker:
                     ptr = storage.data_ptr()
                     if ptr not in self.param_ptrs and ptr not in held:
                         held[ptr] = storage.nbytes()
+                        self.numbers.setdefault(ptr, len(self.numbers))
                         self.alive.append(storage)
         self.current.append(layer)
 
-    def input_bytes(self, layer: str) -> int:
-        return sum(self.inputs.get(layer, {}).values())
-
-    def input_saved_by(self, layer: str) -> str:
-        """The other layer that saves ``layer``'s largest input for its own backward, or ""."""
-        held = self.inputs.get(layer, {})
-        if not held:
-            return ""
-        owner = self.owner.get(max(held, key=lambda ptr: held[ptr]), "")
-        return "" if owner == layer else owner
+    def layer_inputs(self, layer: str) -> list[tuple[int, str, bool, int]]:
+        """``layer``'s inputs in argument order: (bytes, the other layer that saved it first or "", saved here,
+        the storage's number)."""
+        out = []
+        for ptr, nbytes in self.inputs.get(layer, {}).items():
+            owner = self.owner.get(ptr, "")
+            out.append((nbytes, "" if owner == layer else owner, (layer, ptr) in self.saved_here, self.numbers[ptr]))
+        return out
 
 
 def layer_modules(model: nn.Module, blocks: Sequence[str] = ()) -> list[tuple[str, nn.Module]]:
@@ -290,10 +298,21 @@ def profile_model(
         slope = (at_large - at_small) / (large - small)
         return slope, max(0.0, at_small - slope * small)
 
+    def layer_inputs(name: str) -> tuple[LayerInput, ...]:
+        """Each input's per-sample bytes, matched by position between the two batches; a layer that took another
+        number of tensors at each (a data-dependent forward) is one input, owned by none (always counted)."""
+        small_inputs, large_inputs = a.layer_inputs(name), b.layer_inputs(name)
+        if len(small_inputs) != len(large_inputs):
+            slope, fixed = per_sample(sum(i[0] for i in small_inputs), sum(i[0] for i in large_inputs))
+            return (LayerInput(slope, fixed),) if slope or fixed else ()
+        return tuple(
+            LayerInput(*per_sample(at_small, at_large), saved_by, here, number)
+            for (at_small, *_), (at_large, saved_by, here, number) in zip(small_inputs, large_inputs, strict=True)
+        )
+
     profiles = []
     for name, module in layers:
         saved_slope, saved_fixed = per_sample(a.saved.get(name, 0), b.saved.get(name, 0))
-        input_slope, input_fixed = per_sample(a.input_bytes(name), b.input_bytes(name))
         params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         profiles.append(
             LayerProfile(
@@ -304,10 +323,7 @@ def profile_model(
                 output_bytes_per_sample=(b.outputs.get(name, 0) - a.outputs.get(name, 0)) / (large - small),
                 forward_s=b.forward_s.get(name, 0.0),
                 backward_s=b.backward_s.get(name, 0.0),
-                input_bytes_per_sample=input_slope,
-                input_bytes_fixed=input_fixed,
-                input_saved_by=b.input_saved_by(name),
-                saves_input=name in b.saves_input,
+                inputs=layer_inputs(name),
             )
         )
     in_layers = {id(p) for _, module in layers for p in module.parameters()}
@@ -353,7 +369,7 @@ def _loss_saved_bytes(
     model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, device: torch.device
 ) -> int:
     """Bytes the loss function saves for backward at this batch: outside every layer, but not the model's (the
-    plan's backward temporaries cover them), so ``unprofiled_saved_bytes`` leaves them out."""
+    plan's backward temporaries cover them), so ``unprofiled_saved_*`` leave them out."""
     with torch.no_grad():
         output = model(inputs.to(device))
     output.requires_grad_(True)

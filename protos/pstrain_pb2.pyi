@@ -519,7 +519,7 @@ class ProbeReport(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., per_device_batch: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ..., host_peak_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ...) -> None: ...
 
 class LayerProfileEntry(_message.Message):
-    __slots__ = ("name", "param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample", "forward_s", "backward_s", "input_bytes_per_sample", "input_bytes_fixed", "input_saved_by", "saves_input")
+    __slots__ = ("name", "param_bytes", "saved_bytes_per_sample", "saved_bytes_fixed", "output_bytes_per_sample", "forward_s", "backward_s", "inputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SAVED_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
@@ -527,10 +527,7 @@ class LayerProfileEntry(_message.Message):
     OUTPUT_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
-    INPUT_BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    INPUT_BYTES_FIXED_FIELD_NUMBER: _ClassVar[int]
-    INPUT_SAVED_BY_FIELD_NUMBER: _ClassVar[int]
-    SAVES_INPUT_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     param_bytes: int
     saved_bytes_per_sample: float
@@ -538,11 +535,22 @@ class LayerProfileEntry(_message.Message):
     output_bytes_per_sample: float
     forward_s: float
     backward_s: float
-    input_bytes_per_sample: float
-    input_bytes_fixed: float
-    input_saved_by: str
-    saves_input: bool
-    def __init__(self, name: _Optional[str] = ..., param_bytes: _Optional[int] = ..., saved_bytes_per_sample: _Optional[float] = ..., saved_bytes_fixed: _Optional[float] = ..., output_bytes_per_sample: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., input_bytes_per_sample: _Optional[float] = ..., input_bytes_fixed: _Optional[float] = ..., input_saved_by: _Optional[str] = ..., saves_input: _Optional[bool] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[LayerInput]
+    def __init__(self, name: _Optional[str] = ..., param_bytes: _Optional[int] = ..., saved_bytes_per_sample: _Optional[float] = ..., saved_bytes_fixed: _Optional[float] = ..., output_bytes_per_sample: _Optional[float] = ..., forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., inputs: _Optional[_Iterable[_Union[LayerInput, _Mapping]]] = ...) -> None: ...
+
+class LayerInput(_message.Message):
+    __slots__ = ("bytes_per_sample", "bytes_fixed", "saved_by", "saved_here", "storage")
+    BYTES_PER_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIXED_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BY_FIELD_NUMBER: _ClassVar[int]
+    SAVED_HERE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    bytes_per_sample: float
+    bytes_fixed: float
+    saved_by: str
+    saved_here: bool
+    storage: int
+    def __init__(self, bytes_per_sample: _Optional[float] = ..., bytes_fixed: _Optional[float] = ..., saved_by: _Optional[str] = ..., saved_here: _Optional[bool] = ..., storage: _Optional[int] = ...) -> None: ...
 
 class DeviceProfile(_message.Message):
     __slots__ = ("layers", "batch", "device", "device_total_bytes", "unprofiled_param_bytes", "unprofiled_saved_per_sample", "unprofiled_saved_fixed", "host_total_bytes")

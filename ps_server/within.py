@@ -52,6 +52,10 @@ class Within:
             if fired and _withdraw(task) <= before:  # only the timer's cancel: the limit passed
                 raise self.expired() from None
             raise
+        except BaseException:  # what was awaited absorbed the timer's cancel, then failed: the request goes too
+            if fired:
+                _withdraw(task)
+            raise
         finally:
             timer.cancel()
         if fired:  # what was awaited absorbed the timer's cancel and finished: its result stands

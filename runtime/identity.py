@@ -34,6 +34,7 @@ A call that lacks the credential, carries a wrong one, or one of another member 
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 HEADER = "x-pstrain-member"
+_CREDENTIAL = re.compile(r"([a-z]+):(0|[1-9][0-9]{0,9}):(0|[1-9][0-9]{0,9}):([0-9a-f]{128})", re.ASCII)
 KEY_BYTES = 32  # an Ed25519 private key (its seed) and public key alike
 VERIFIED_KEPT = 4096
 """Credentials a verifier remembers as checked: a job has a few per member (one per registration), so the
@@ -81,10 +83,14 @@ class Credential:
 
     @classmethod
     def parse(cls, text: str) -> Credential:
-        parts = text.split(":")
-        if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
+        """PermissionDenied unless ``text`` is exactly what ``encode`` writes: ASCII digits (``str.isdigit`` takes
+        "²", which ``int`` refuses) and a lower-case hex signature of its length, so one credential has one
+        spelling (a verifier remembers checked ones by their text)."""
+        match = _CREDENTIAL.fullmatch(text)
+        if match is None:
             raise PermissionDenied(f"malformed {HEADER} credential")
-        return cls(parts[0], int(parts[1]), int(parts[2]), parts[3])
+        role, member_id, incarnation, signature = match.groups()
+        return cls(role, int(member_id), int(incarnation), signature)
 
     def __repr__(self) -> str:  # a bearer credential: whoever holds it acts as the member, so it stays out of logs
         return f"Credential({self.subject})"

@@ -95,6 +95,12 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
 """Expected failures and their exit codes; anything else propagates (traceback, exit 1)."""
 
 
+CONNECT_TIMEOUT_S = 120.0
+"""A member's default wait to reach, then to join, the coordinator (``--connect-timeout-s``). A member restarted at
+its own address waits up to ``transport.heartbeat_timeout_s`` in its join for its dead predecessor's slot, so the
+coordinator warns about a heartbeat timeout that leaves too little of this."""
+
+
 def join_waits_s(args: argparse.Namespace) -> float:
     """The longest a member waits on the coordinator before it can send READY=1: reaching it (``wait_until_reachable``)
     and then joining (``MemberProcess.join``, retried while it cannot take members yet) each get
@@ -138,7 +144,7 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise-host", help="host name peers use to reach this process (default: bind host or FQDN)"
     )
-    parser.add_argument("--connect-timeout-s", type=float, default=120.0)
+    parser.add_argument("--connect-timeout-s", type=float, default=CONNECT_TIMEOUT_S)
     add_common_flags(parser, default_bind="0.0.0.0:0")
 
 

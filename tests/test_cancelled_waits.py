@@ -127,3 +127,21 @@ def test_the_limit_raises_the_callers_error_and_withdraws_its_own_cancel():
         assert await Within(5.0)(asyncio.sleep(0, result="in time")) == "in time"
 
     run(main)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 keeps no count of cancel requests")
+def test_a_wait_that_absorbs_the_limits_cancel_and_then_fails_leaves_no_cancel_request_behind():
+    async def absorbs_then_fails() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ValueError("failed on its way out") from None
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        with pytest.raises(ValueError, match="on its way out"):
+            await Within(0.01)(absorbs_then_fails())
+        assert task.cancelling() == 0  # an asyncio.timeout or a TaskGroup later in this task is not misled
+
+    run(main)

@@ -61,13 +61,21 @@ def test_a_credential_verifies_only_for_its_member_and_key() -> None:
         keys.require(meta(worker0), "worker", 1)
     with pytest.raises(PermissionDenied, match="no x-pstrain-member"):
         keys.require([], "worker", 0)
-    forged = Credential("worker", 0, 1, "0" * 64)
+    forged = Credential("worker", 0, 1, "0" * 128)
     with pytest.raises(PermissionDenied, match="not issued by this job"):
         keys.require(meta(forged), "worker", 0)
     with pytest.raises(PermissionDenied, match="not issued"):
         MemberKeys.generate().require(meta(worker0), "worker", 0)  # another job's key
-    with pytest.raises(PermissionDenied, match="malformed"):
-        keys.require(meta("worker:0"), "worker", 0)
+    sig = worker0.signature
+    for text in (
+        "worker:0",
+        "worker:\u00b2:1:" + sig,
+        "worker:\u0663:1:" + sig,
+        "worker:0:1:" + sig.upper(),
+        "worker:00:1:" + sig,
+    ):
+        with pytest.raises(PermissionDenied, match="malformed"):  # one spelling per credential, ASCII digits only
+            keys.require(meta(text), "worker", 0)
     assert worker0.signature not in repr(worker0) and "hidden" in repr(keys)
 
 
@@ -81,9 +89,8 @@ def test_what_a_shard_is_given_verifies_credentials_but_cannot_make_one() -> Non
     assert not hasattr(shard, "mint") and keys.job_key not in (keys.public_key, b"")
     subject = b"worker:1:0"
     for made in (
-        hmac.new(keys.public_key, subject, hashlib.sha256).hexdigest(),  # the old scheme, with what a shard holds
+        hmac.new(keys.public_key, subject, hashlib.sha256).hexdigest() * 2,  # the old scheme, signature-long
         Ed25519PrivateKey.from_private_bytes(keys.public_key).sign(subject).hex(),  # the public key as a private one
-        "zz" * 64,  # not hex at all
     ):
         with pytest.raises(PermissionDenied, match="not issued by this job"):
             shard.require(meta(Credential("worker", 1, 0, made)), "worker", 1)

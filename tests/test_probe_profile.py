@@ -26,7 +26,7 @@ from pstrain.coordinator.probe import ProbeSession
 from pstrain.coordinator.service import CoordinatorServicer, _probe_report
 from pstrain.planner.memory_estimate import Probe
 from pstrain.planner.profile_wire import profile_from_pb, profile_to_pb
-from pstrain.planner.profiler import ModelProfile
+from pstrain.planner.profiler import LayerInput, ModelProfile
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.runtime.transport import open_channel, start_server
@@ -80,7 +80,7 @@ def test_the_profile_survives_the_wire():
         unprofiled_saved_per_sample=2112.0,
         unprofiled_saved_fixed=64.0,
     )
-    assert any(la.input_saved_by and la.saves_input for la in profile.layers)  # a Linear after a ReLU
+    assert any(i.saved_by and i.saved_here for la in profile.layers for i in la.inputs)  # a Linear after a ReLU
     message = pb.ProbeReport(worker_id=0, per_device_batch=64, profile=profile_to_pb(profile))
     assert profile_from_pb(pb.ProbeReport.FromString(message.SerializeToString()).profile) == profile
     assert _probe_report(message).probe.profile == profile  # the servicer hands it to the session
@@ -262,12 +262,16 @@ def _bad_profiles(profile: ModelProfile) -> dict[str, tuple[ModelProfile, str]]:
             "layer '0': saved_bytes_per_sample must be a finite non-negative number",
         ),
         "an unknown input owner": (
-            replace(profile, layers=(replace(first, input_saved_by="nope"), *profile.layers[1:])),
-            "layer '0': input_saved_by must name another of its layers or be empty, got 'nope'",
+            replace(profile, layers=(replace(first, inputs=(LayerInput(4.0, 0.0, "nope"),)), *profile.layers[1:])),
+            "layer '0': an input's saved_by must name another of its layers or be empty, got 'nope'",
         ),
         "its own input owner": (
-            replace(profile, layers=(replace(first, input_saved_by="0"), *profile.layers[1:])),
-            "layer '0': input_saved_by must name another",
+            replace(profile, layers=(replace(first, inputs=(LayerInput(4.0, 0.0, "0"),)), *profile.layers[1:])),
+            "layer '0': an input's saved_by must name another",
+        ),
+        "negative input bytes": (
+            replace(profile, layers=(replace(first, inputs=(LayerInput(-4.0),)), *profile.layers[1:])),
+            "layer '0': an input's bytes_per_sample must be a finite non-negative number, got -4.0",
         ),
         "infinite unprofiled bytes": (
             replace(profile, unprofiled_saved_per_sample=float("inf")),
@@ -288,6 +292,7 @@ def _bad_profiles(profile: ModelProfile) -> dict[str, tuple[ModelProfile, str]]:
         "negative bytes",
         "an unknown input owner",
         "its own input owner",
+        "negative input bytes",
         "infinite unprofiled bytes",
     ],
 )

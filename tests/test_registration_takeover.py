@@ -11,6 +11,7 @@ clock is the test's (``make_job``'s): no test sleeps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,7 +144,8 @@ def test_a_live_shards_address_without_its_credential_is_refused_and_changes_not
     holder = job.membership.ps(1)
     forged = Credential("ps", 1, 0, "00" * 64).encode()
     stale = served.registry.keys.mint("ps", 1, 7).encode()  # a genuine signature, not the current incarnation
-    for credential in ("", served.workers[0], served.ps[0], forged, stale):  # none proves it is shard 1's process
+    malformed = "ps:\u00b2:0:" + "00" * 64  # "²".isdigit(), but int() refuses it: once an uncaught ValueError
+    for credential in ("", served.workers[0], served.ps[0], forged, stale, malformed):  # none proves it is shard 1
         reply, context = served.register_ps(1, credential)
         assert reply is None and "ps shard 1 at 127.0.0.1:5001" in context.details
         assert_refused_and_unchanged(served, context, "ps", 1)
@@ -304,3 +306,14 @@ def test_over_grpc_a_silent_shards_restart_takes_its_slot_without_a_credential(c
     assert incarnation(reply.member_credential) == 1 and reply.job_key == served.registry.keys.public_key
     code, _ = grpc_code(lambda: stub.Heartbeat(pb.HeartbeatRequest(role="ps", id=0), metadata=meta(first)))
     assert code == grpc.StatusCode.PERMISSION_DENIED  # the old process is refused from here, as before
+
+
+def test_a_heartbeat_timeout_that_leaves_a_restart_too_little_of_its_connect_timeout_is_warned_of(caplog) -> None:  # type: ignore[no-untyped-def]
+    from pstrain.coordinator.main import warn_of_slow_takeovers
+
+    with caplog.at_level(logging.WARNING, logger="pstrain.coordinator.main"):
+        warn_of_slow_takeovers(10.0)  # the default: a restart takes its slot within 10 s of its 120
+        assert not caplog.records
+        warn_of_slow_takeovers(100.0)
+    (record,) = caplog.records
+    assert "heartbeat_timeout_s 100 s" in record.getMessage() and "--connect-timeout-s" in record.getMessage()
