@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="auto: a coordinator restarted mid-job takes the job back from its journal (no rollback); "
         "never: resume from the last committed checkpoint",
     )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="every member runs on this host (pstrain local passes it): without memory.host_memory, the workers "
+        "plan with their share of this host's memory, after the PS shards'",
+    )
     add_common_flags(p, default_bind="0.0.0.0:7070")
     return p.parse_args(argv)
 
@@ -128,25 +134,32 @@ def build_job(
     security: TransportSecurity = INSECURE,
     fresh: bool = False,
     recover: bool = False,
+    colocated: bool = False,
 ) -> Job:
     """Everything the coordinator knows before the first member calls, resumed from a checkpoint if any;
-    with ``recover``, the running job taken back from the journal when it can be (``Job.recovered``)."""
+    with ``recover``, the running job taken back from the journal when it can be (``Job.recovered``);
+    ``colocated``: every member runs on this host (``plan_job``)."""
     taken_back = journal_recovery(out_dir) if recover and not fresh else None
     if taken_back is not None:
         try:
-            return _build_job(cfg, out_dir, security, fresh, taken_back)
+            return _build_job(cfg, out_dir, security, fresh, taken_back, colocated)
         except JournalUnusable as exc:
             log.warning("not taking the job back from its journal (%s); resuming from the last checkpoint", exc)
-    return _build_job(cfg, out_dir, security, fresh, None)
+    return _build_job(cfg, out_dir, security, fresh, None, colocated)
 
 
 def _build_job(
-    cfg: JobConfig, out_dir: Path | None, security: TransportSecurity, fresh: bool, taken_back: Recovery | None
+    cfg: JobConfig,
+    out_dir: Path | None,
+    security: TransportSecurity,
+    fresh: bool,
+    taken_back: Recovery | None,
+    colocated: bool,
 ) -> Job:
     checked = preflight(cfg)  # every factory the job file names, once: a bad one fails here with its key
     model, dataset = checked.model, checked.dataset
     dataset_size = len(dataset)  # type: ignore[arg-type]
-    job_plan = plan_job(cfg, model.model, dataset, model.layout.total)
+    job_plan = plan_job(cfg, model.model, dataset, model.layout.total, colocated=colocated)
     plan = job_plan.plan
     if job_plan.memory is not None:
         log.info("memory plan:\n%s", describe(job_plan))
@@ -280,7 +293,7 @@ def _serve(args: argparse.Namespace, held: contextlib.ExitStack, freeze_gc: bool
         out_dir = Path(args.out) if args.out else None
         warn_of_slow_takeovers(cfg.transport.heartbeat_timeout_s)
         held.enter_context(own_directories(cfg, out_dir))
-        job = build_job(cfg, out_dir, security, args.fresh, recover=args.recover == "auto")
+        job = build_job(cfg, out_dir, security, args.fresh, recover=args.recover == "auto", colocated=args.colocated)
         registry = MemberRegistry(job_keys(out_dir, job.recovered))  # issue 8: the job key behind every credential
         for (role, member_id), incarnation in job.incarnations.items():
             for _ in range(incarnation + 1):  # the registry's count back to the newest credential issued

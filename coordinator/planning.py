@@ -48,6 +48,19 @@ DEFAULT_BANDWIDTH = 12e9  # PCIe 3.0 x16, what a host-to-device copy reaches in 
 
 
 @dataclass(frozen=True)
+class HostShare:
+    """Every member runs on this host (``pstrain local``): a worker's host budget for offload is its share of the
+    host's memory after the PS shards' (the default host memory is the whole host's, and every worker plans with
+    it: the host-fit batch would be about ``workers`` times too large)."""
+
+    workers: int
+    shards_bytes: int  # the PS shards' estimate, all of them
+
+    def of(self, host_bytes: int) -> int:
+        return max(1, (host_bytes - self.shards_bytes) // self.workers)
+
+
+@dataclass(frozen=True)
 class JobPlan:
     plan: Plan
     profile: ModelProfile | None = None
@@ -62,6 +75,7 @@ class JobPlan:
     warnings: tuple[str, ...] = ()
     largest_models: tuple[tuple[str, float, int], ...] = ()  # (policy, parameter bytes at batch 1, max batch)
     data_cap: int = 0  # the largest per-device batch the training set allows (0: not computed)
+    host_share: HostShare | None = None  # pstrain local, host memory not given: the workers share this host's
 
     def layer_policies(self) -> dict[str, str]:
         return self.memory.policies() if self.memory else {}
@@ -164,8 +178,16 @@ def plan_job(
     device_memory: str | None = None,
     bandwidth: str | None = None,
     host_memory: str | None = None,
+    colocated: bool = False,
 ) -> JobPlan:
+    """The job's plan; ``colocated``: every member runs on this host (``pstrain local``), so without a host memory
+    of the job file's or the caller's the workers share this host's (``HostShare``)."""
     budget = budget_for(cfg, device_memory, bandwidth, host_memory)
+    share = None
+    if colocated and (host_memory or cfg.memory.host_memory) is None:
+        share = HostShare(cfg.cluster.workers, cfg.cluster.ps_shards * ps_bytes(cfg, total_params))
+        if budget is not None and budget.host_bytes is not None:
+            budget = replace(budget, host_bytes=share.of(budget.host_bytes))
     auto = cfg.batch.per_device == "auto"
     devices = cfg.cluster.workers * cfg.cluster.device_count
     samples = len(dataset)  # type: ignore[arg-type]
@@ -191,6 +213,7 @@ def plan_job(
             batch_reason=reason,
             warnings=_lr_warnings(cfg, plan),
             data_cap=data_cap,
+            host_share=share,
         )
     profile = profile_job(cfg, model, dataset)
     allow_swap, swap_all = cfg.memory.policy != "keep", cfg.memory.policy == "swap"
@@ -221,7 +244,7 @@ def plan_job(
     warnings = _lr_warnings(cfg, plan)
     if profile.unprofiled():
         warnings += (profile.unprofiled(),)
-    if limits.binding == "host" and (host_memory or cfg.memory.host_memory) is None:
+    if limits.binding == "host" and (host_memory or cfg.memory.host_memory) is None and share is None:
         warnings += (
             f"the host limit binds the batch, and the host's memory ({_size(budget.host_bytes or 0)}) is this "
             "coordinator's: right when the workers run here (pstrain local), else set memory.host_memory to a "
@@ -252,6 +275,7 @@ def plan_job(
         warnings,
         _largest_models(profile, budget),
         data_cap,
+        share,
     )
 
 
@@ -406,6 +430,11 @@ def describe(job: JobPlan) -> str:
             f"({'fits' if mem.fits_host else 'DOES NOT FIT'}); pinned up to {_size(budget.pinned_limit_bytes)} "
             f"per device, pageable past it; whole-layer offload {'on' if budget.offload_params else 'off'}",
         ]
+        if job.host_share is not None:
+            lines.append(
+                f"host memory: every member runs on this host, so each of the {job.host_share.workers} worker(s) "
+                f"plans with its share after the PS shards' {_size(job.host_share.shards_bytes)}"
+            )
         if job.limits is not None:
             lim = job.limits
 
@@ -497,7 +526,9 @@ class ProbePlanner:
         if budget is None and profile.device_total_bytes > 0:
             budget = budget_for(cfg, device_memory=str(profile.device_total_bytes))
         if budget is not None and cfg.memory.host_memory is None and profile.host_total_bytes > 0:
-            budget = replace(budget, host_bytes=profile.host_total_bytes)  # the master's host, not the coordinator's
+            host = profile.host_total_bytes  # the master's host, not the coordinator's
+            share = self.job_plan.host_share
+            budget = replace(budget, host_bytes=share.of(host) if share is not None else host)
         if budget is None:
             log.info("the master's %s profile arrived, but there is no device budget to plan with", profile.device)
             return None

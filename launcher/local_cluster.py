@@ -289,7 +289,7 @@ class LocalCluster:
         port_file.unlink(missing_ok=True)
         self.coordinator_address = f"127.0.0.1:{free_port()}"
         args = ["--config", str(self.config_path), "--bind", self.coordinator_address, "--out", str(self.out_dir)]
-        args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s)]
+        args += ["--port-file", str(port_file), "--grace-s", str(self.grace_s), "--colocated"]  # all on this host
         if self.steps is not None:
             args += ["--steps", str(self.steps)]
         self._coordinator_args = [*args, "--recover", "auto"]  # a restart of the coordinator alone

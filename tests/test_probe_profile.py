@@ -21,7 +21,7 @@ from pstrain.coordinator.errors import InvalidRequest
 from pstrain.coordinator.job import Job, JobState
 from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import job_spec
-from pstrain.coordinator.planning import plan_job, probe_setup
+from pstrain.coordinator.planning import ProbePlanner, describe, plan_job, probe_setup
 from pstrain.coordinator.probe import ProbeSession
 from pstrain.coordinator.service import CoordinatorServicer, _probe_report
 from pstrain.planner.memory_estimate import Probe
@@ -352,3 +352,36 @@ def test_a_malformed_device_profile_is_invalid_argument_over_grpc_and_the_job_ke
     finally:
         channel.close()
         server.stop(0)
+
+
+def test_a_local_runs_workers_plan_with_their_share_of_this_hosts_memory(monkeypatch):
+    """pstrain local (``--colocated``): every worker and shard runs on this host, so the default host memory is
+    shared; planned whole for each worker, the host-fit batch was about ``workers`` times too large."""
+    import pstrain.coordinator.planning as planning
+
+    monkeypatch.setattr(planning, "host_memory_for_offload", lambda: 64 * MiB)
+    memory = {"probe": True, "device_memory": "64MiB", "policy": "swap"}
+    raw = {**RAW, "cluster": {"workers": 2, "devices_per_worker": ["cpu"], "ps_shards": 2}, "memory": memory}
+    cfg = parse_config({**raw, "batch": {"per_device": "auto", "lr_scaling": "none"}})
+    model = ModelState(cfg)
+    data = classification_set(4096, inputs=64)
+    alone = plan_job(cfg, model.model, data, model.layout.total)
+    local = plan_job(cfg, model.model, data, model.layout.total, colocated=True)
+    assert alone.memory is not None and local.memory is not None and local.host_share is not None
+    share = local.host_share
+    assert share.workers == 2 and share.shards_bytes == 2 * local.ps_bytes_per_shard
+    assert local.memory.budget.host_bytes == (64 * MiB - share.shards_bytes) // 2
+    assert alone.limits is not None and local.limits is not None and local.limits.host < alone.limits.host
+    assert "every member runs on this host" in describe(local) and "every member" not in describe(alone)
+    assert not any("this coordinator's" in w for w in local.warnings)  # this host's memory is right here
+
+    def spec_for(plan, policies):
+        return job_spec(cfg, plan, model.layout, "job", policies)
+
+    planner = ProbePlanner(cfg, local, spec_for)
+    assert local.profile is not None
+    planner.adopt(replace(local.profile, device="cuda:0", host_total_bytes=32 * MiB))  # the master: this host too
+    assert planner.budget is not None and planner.budget.host_bytes == share.of(32 * MiB)
+    named = parse_config({**raw, "memory": {**memory, "host_memory": "1GiB"}, "batch": {"per_device": 8}})
+    kept = plan_job(named, ModelState(named).model, data, model.layout.total, colocated=True)
+    assert kept.host_share is None and kept.memory is not None and kept.memory.budget.host_bytes == 1 << 30
