@@ -32,6 +32,7 @@ from pstrain.ps_server.shard import CheckpointPolicy
 from pstrain.ps_server.sparse_checkpoint import CheckpointJoin, sparse_shard_for
 from pstrain.ps_server.sparse_service import SparseTablesServicer, add_sparse_tables
 from pstrain.runtime.buckets import shard_pieces
+from pstrain.runtime.dir_lock import DirectoryBusy, hold_directory, ps_shard_lock
 from pstrain.runtime.identity import MemberVerifier
 from pstrain.runtime.layout import ParamLayout
 from pstrain.runtime.logs import configure_logging
@@ -139,6 +140,16 @@ def serve_shard(
     )
     reply = member.join(lambda: stub.RegisterParameterServer(request, timeout=CONTROL_TIMEOUT_S))
     job = reply.job
+    if job.checkpoint_dir:  # its snapshots on this host are this process's alone until it exits
+        try:
+            member.holding(
+                hold_directory(
+                    Path(job.checkpoint_dir), ps_shard_lock(shard_id), "checkpoint.dir", f"PS shard {shard_id}"
+                )
+            )
+        except DirectoryBusy as exc:
+            log.error("cannot serve shard %d: %s", shard_id, exc)
+            return EXIT_JOB_FAILED  # a restart would find the same holder; the coordinator sees this shard fail
     limits = pull_limits(job)  # issue 8: the job file's transport.max_waiting_pulls[_per_peer], pull_timeout_s
     servicer.gate = ShardGate(pulls=limits)
     if reply.job_key:  # issue 8: pushes only with the pushing worker's credential, pulls within limits

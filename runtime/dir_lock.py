@@ -1,5 +1,7 @@
 """One process at a time per directory whose files it owns: ``pstrain local``'s ``--out``, a coordinator's
-``--out`` (its journal and job key) and its ``checkpoint.dir`` (the manifests it commits and prunes).
+``--out`` (its journal and job key) and its ``checkpoint.dir`` (the manifests it commits and prunes), and a PS
+shard's files in ``checkpoint.dir`` on its own host (``shard-<id>/``, ``sparse-<id>/``: shards of two jobs pointed
+at one directory would prune each other's snapshots, and a coordinator's lock on another host cannot see them).
 
 A second process writing the same files would interleave them: two coordinators appending to one journal, each
 pruning the other's checkpoints. The owner therefore holds an exclusive ``flock`` on a lock file in the directory
@@ -22,6 +24,11 @@ log = logging.getLogger(__name__)
 
 LOCAL_RUN = "pstrain.lock"  # pstrain local's, in --out
 COORDINATOR = "coordinator.lock"  # a coordinator's, in --out and in checkpoint.dir
+
+
+def ps_shard_lock(shard_id: int) -> str:
+    """PS shard ``shard_id``'s, in checkpoint.dir: the shards of one job hold different ones, so they share it."""
+    return f"ps-{shard_id}.lock"
 
 
 class DirectoryBusy(RuntimeError):

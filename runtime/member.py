@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -248,6 +248,10 @@ class MemberProcess:
     def closing(self, close: Callable[[], object]) -> None:
         """Call ``close`` when draining, before the server stops; the last registered closes first."""
         self._resources.callback(close)
+
+    def holding(self, held: AbstractContextManager[T]) -> T:
+        """Enter ``held`` now and leave it when draining, in the same last-first order as ``closing``."""
+        return self._resources.enter_context(held)
 
     def start_heartbeat(
         self, member_id: int, interval_s: float, *, stop_when_job_ends: bool, coordinator_timeout_s: float = 30.0

@@ -134,7 +134,7 @@ def test_playbook_installs_everything(deployed, tmp_path):
     assert "--devices cpu,cpu" in worker and "--token-file /etc/pstrain/token" in worker
     assert "PrivateDevices=" not in worker and "MemoryDenyWriteExecute=" not in worker
     assert "PrivateDevices=yes" in (units / "pstrain-ps@.service").read_text()
-    assert "TimeoutStopSec=60" in (units / "pstrain-coordinator.service").read_text()  # > its stop path, 10 s grace
+    assert "TimeoutStopSec=62" in (units / "pstrain-coordinator.service").read_text()  # > its stop path, 10 s grace
     envs = {p.name: p.read_text() for p in (root / "etc/pstrain").glob("ps-*.env")}
     assert sorted(envs) == ["ps-0.env", "ps-1.env"]
     assert "PSTRAIN_PS_PORT=7101" in envs["ps-1.env"] and "PSTRAIN_PS_METRICS_PORT=9411" in envs["ps-1.env"]
@@ -324,17 +324,22 @@ def test_the_coordinators_start_timeout_is_its_start_up_work():
     assert unit["Type"] == "notify" and unit["TimeoutStartSec"] == "450"
 
 
+@pytest.mark.parametrize("heartbeat_s", [None, 45.5])
 @pytest.mark.parametrize("grace_s", [10, 45])
 @pytest.mark.parametrize("role", ["coordinator", "ps", "worker"])
-def test_a_units_stop_timeout_outlasts_its_members_stop_path(role, grace_s):
+def test_a_units_stop_timeout_outlasts_its_members_stop_path(role, grace_s, heartbeat_s):
     """TimeoutStopSec was grace + 20 s while a worker's stop may wait 30 s for its trainer thread, then the grace,
     then 30 s for the heartbeat thread (and a shard waits for its checkpoint writers): systemd SIGKILLed members
     mid-drain. The unit must outlast each member's own bounded stop waits, with time left for the process to exit."""
-    unit = render_unit(role, pstrain_grace_s=grace_s)
+    job = dict(unit_variables()["pstrain_job"])
+    if heartbeat_s is not None:  # the coordinator's liveness slice is the job file's, not the default's
+        job["transport"] = {"heartbeat_s": heartbeat_s, "heartbeat_timeout_s": 4 * heartbeat_s}
+    unit = render_unit(role, pstrain_grace_s=grace_s, pstrain_job=job)
     args = exec_args(role, unit)
     assert args.grace_s == grace_s
     if role == "coordinator":
-        bound = coordinator_main.worst_case_stop_s(args.grace_s, args.linger_s, TransportConfig().heartbeat_s)
+        slice_s = TransportConfig(**job.get("transport", {})).heartbeat_s
+        bound = coordinator_main.worst_case_stop_s(args.grace_s, args.linger_s, slice_s)
     else:
         bound = (worker_main if role == "worker" else ps_main).worst_case_stop_s(args.grace_s)
     assert float(unit["TimeoutStopSec"]) >= bound + 15, (unit["TimeoutStopSec"], bound)

@@ -1,6 +1,6 @@
 """One owner per directory: one ``pstrain local`` run per ``--out``, one coordinator per ``--out`` and per
-``checkpoint.dir``. A second fails at once (exit 2) naming the holder; a dead holder's lock (SIGKILL) never blocks,
-since the kernel drops an ``flock`` with its holder."""
+``checkpoint.dir``, one PS shard per id in ``checkpoint.dir`` on its host. A second fails at once (exit 2; a shard 3)
+naming the holder; a dead holder's lock (SIGKILL) never blocks, since the kernel drops an ``flock`` with its holder."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from pstrain.coordinator import main as coordinator_main
 from pstrain.runtime.dir_lock import LOCAL_RUN as LOCK_NAME
-from pstrain.runtime.dir_lock import DirectoryBusy, hold_directory
+from pstrain.runtime.dir_lock import DirectoryBusy, hold_directory, ps_shard_lock
 from tests.helpers import REPO_ROOT, child_env, start_local, stop_local, wait_for, write_job
 
 HOLD = "import sys; from pathlib import Path; from pstrain.runtime.dir_lock import hold_directory\n" + (
@@ -25,6 +25,18 @@ HOLD = "import sys; from pathlib import Path; from pstrain.runtime.dir_lock impo
 
 def hold_out_dir(out: Path):
     return hold_directory(out, LOCK_NAME, "--out", "pstrain local run")
+
+
+def start_coordinator(job: Path, out: Path, port_file: Path, marker: str, stderr: int) -> subprocess.Popen:
+    """A coordinator process on an ephemeral port of 127.0.0.1, its port written to ``port_file``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pstrain.coordinator", "--config", str(job), "--out", str(out)]
+        + ["--bind", "127.0.0.1:0", "--port-file", str(port_file)],
+        cwd=REPO_ROOT,
+        env=child_env(marker),
+        stderr=stderr,
+        text=True,
+    )
 
 
 def lock_holder(out: Path) -> int | None:
@@ -94,14 +106,7 @@ def test_a_second_coordinator_on_the_same_out_or_checkpoint_dir_exits_2_and_leav
     )
     marker = uuid.uuid4().hex
     port_file = tmp_path / "first.port"
-    first = subprocess.Popen(
-        [sys.executable, "-m", "pstrain.coordinator", "--config", str(job), "--out", str(tmp_path / "out1")]
-        + ["--bind", "127.0.0.1:0", "--port-file", str(port_file)],
-        cwd=REPO_ROOT,
-        env=child_env(marker),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_coordinator(job, tmp_path / "out1", port_file, marker, subprocess.PIPE)
     try:
         wait_for(lambda: port_file.exists() or first.poll() is not None, 120, "the first coordinator to serve")
         assert first.poll() is None, first.communicate()[1][-3000:]
@@ -117,3 +122,48 @@ def test_a_second_coordinator_on_the_same_out_or_checkpoint_dir_exits_2_and_leav
     finally:
         first.terminate()
         first.communicate(timeout=60)
+
+
+def test_a_shard_whose_checkpoint_files_another_live_shard_holds_exits_3_and_touches_nothing(tmp_path):
+    """On a host of its own, a PS shard writes and prunes ``shard-<id>/`` in ``checkpoint.dir``, out of reach of the
+    coordinator's lock on its host: a shard of another job pointed at the same directory with the same id would
+    prune this one's snapshots. Here the test process stands in for that other shard: it holds ``ps-0.lock``, which
+    the coordinator's own ``coordinator.lock`` in the same directory does not conflict with."""
+    checkpoints = tmp_path / "checkpoints"
+    theirs = checkpoints / "shard-0" / "step-000000004.pt"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"the other job's snapshot")
+    job = write_job(
+        tmp_path / "job.yaml",
+        job={"steps": 100000, "seed": 3},
+        cluster={"ps_shards": 1, "workers": 1, "devices_per_worker": 1},
+        checkpoint={"every_steps": 2, "dir": str(checkpoints)},
+    )
+    marker = uuid.uuid4().hex
+    port_file = tmp_path / "coordinator.port"
+    coordinator = start_coordinator(job, tmp_path / "out", port_file, marker, subprocess.DEVNULL)
+    shard = None
+    try:
+        with hold_directory(checkpoints, ps_shard_lock(0), "checkpoint.dir", "PS shard 0"):
+            wait_for(lambda: port_file.exists() or coordinator.poll() is not None, 120, "the coordinator to serve")
+            assert coordinator.poll() is None
+            address = f"127.0.0.1:{int(port_file.read_text())}"
+            shard = subprocess.Popen(
+                [sys.executable, "-m", "pstrain.ps_server", "--coordinator", address, "--shard-id", "0"]
+                + ["--bind", "127.0.0.1:0"],
+                cwd=REPO_ROOT,
+                env=child_env(marker),
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            _, stderr = shard.communicate(timeout=180)
+        assert shard.returncode == 3, stderr[-3000:]
+        assert f"checkpoint.dir {checkpoints} is in use by another PS shard 0 (pid {os.getpid()})" in stderr
+        assert "Traceback" not in stderr, stderr[-3000:]
+        assert theirs.read_bytes() == b"the other job's snapshot"
+        assert not (checkpoints / "sparse-0").exists()
+    finally:
+        for proc in (shard, coordinator):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=60)
