@@ -269,9 +269,10 @@ class TransportConfig:
     push_dtype: str = "float32"
     """Issue 12: the dtype gradients are pushed in. ``bfloat16`` halves the push bytes; the shards keep float32
     parameters and optimizer state and sum the pushes in float32 (each worker's sum is rounded once)."""
-    shared_memory: str = "auto"
+    shared_memory: str | bool = "auto"
     """Issue 12: ``auto`` moves tensors between a worker and the PS shards on its own host through shared memory
-    (/dev/shm; gRPC carries headers only) and streams to the rest; ``off`` always streams."""
+    (/dev/shm; gRPC carries headers only) and streams to the rest; ``off`` always streams. YAML reads a bare ``off``
+    as false, which is taken as ``off`` (and true as ``auto``), as for ``bulk_sockets``."""
     bulk_sockets: str | bool = "auto"
     """Issue 12: ``auto`` moves the tensors of a worker and a remote PS shard on a raw TCP socket to the shard's bulk
     port (``pstrain-ps --bulk-port``; gRPC carries headers, checks and errors), except over TLS, and streams them
@@ -295,6 +296,8 @@ class TransportConfig:
             f"got {self.max_waiting_pulls_per_peer}",
         )
         _require(self.push_dtype in PUSH_DTYPES, "transport.push_dtype", f"must be one of {', '.join(PUSH_DTYPES)}")
+        if isinstance(self.shared_memory, bool):  # YAML 1.1: a bare off is false
+            object.__setattr__(self, "shared_memory", "auto" if self.shared_memory else "off")
         _require(
             self.shared_memory in SHARED_MEMORY, "transport.shared_memory", f"must be one of {', '.join(SHARED_MEMORY)}"
         )
@@ -341,9 +344,10 @@ def _block_problems(blocks: list[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    device_memory: str | None = None
-    """Device memory to plan for ("80GiB"); default: this host's GPU. Needed for per_device: auto without one."""
-    bandwidth: str | None = None
+    device_memory: str | float | None = None
+    """Device memory to plan for ("80GiB"); default: this host's GPU. Needed for per_device: auto without one.
+    Every size here may also be a plain number of bytes (``0``, ``85899345920``): it is kept as its string."""
+    bandwidth: str | float | None = None
     """Device<->host bandwidth ("12GB/s"); default: measured on this host's GPU, else 12GB/s."""
     margin: float = 0.1
     """Fraction of device memory the plan leaves free."""
@@ -351,7 +355,7 @@ class MemoryConfig:
     """auto: the planner's keep/swap/recompute per layer; keep: no offload; swap: swap every layer."""
     prefetch: int = 2
     """Saved tensors copied back ahead of backward's need."""
-    pinned_limit: str = "4GiB"
+    pinned_limit: str | float = "4GiB"
     """Cap of pinned host memory for swapped activations per device; past it, pageable memory."""
     blocks: list[str] = field(default_factory=list)
     """Module names profiled and planned as one layer each (e.g. transformer blocks)."""
@@ -362,7 +366,7 @@ class MemoryConfig:
     estimate: EstimateName = "factor"
     """How the probe's peak becomes every worker's memory (S2.2): factor, increment or iterative."""
     factor: float = 1.25
-    increment: str = "1GiB"
+    increment: str | float = "1GiB"
     target_utilization: float = 0.85
     """Iterative mode: accept a limit once the probe's peak uses at most this fraction of it."""
     max_probe_rounds: int = 4
@@ -371,7 +375,7 @@ class MemoryConfig:
     offload_params: bool = False
     """S1.4 in full: each layer's parameters come to the device just before its forward and backward and its
     gradient leaves for the host as soon as it is computed, so device memory holds about one layer."""
-    host_memory: str | None = None
+    host_memory: str | float | None = None
     """Host memory the workers' offload may use per host ("64GiB"); default: the coordinator's host's cgroup
     memory.max when set, else its available memory. That default is right where the workers share the
     coordinator's host (``pstrain local``); on a deployment whose workers run elsewhere it is another machine's
@@ -395,6 +399,9 @@ class MemoryConfig:
             value = getattr(self, key)
             if value is None:
                 continue
+            if not isinstance(value, str):  # YAML reads a bare 0 or 85899345920 as a number, not a size string
+                value = str(value)
+                object.__setattr__(self, key, value)
             try:
                 size = parse_bytes(value)
             except ValueError as exc:
@@ -549,6 +556,15 @@ class EmbeddingTableConfig:
         _require(
             len(b) == 2 and all(0 <= x < 1 for x in b), "embeddings.betas", f"must be two numbers in [0, 1), got {b}"
         )
+        if self.optimizer != "adam":  # as for the dense optimizer: a setting that would be silently ignored
+            for key in ("betas", "eps"):
+                f = next(f for f in dataclasses.fields(self) if f.name == key)
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                _require(
+                    getattr(self, key) == default,
+                    f"embeddings.{key}",
+                    f"{self.optimizer} does not use it; remove it (adam only; adagrad's eps is torch's, 1e-10)",
+                )
 
     def spec(self, name: str, job_seed: int) -> TableSpec:
         return TableSpec(
@@ -595,7 +611,7 @@ class JobConfig:
                 tables[name] = raw if isinstance(raw, EmbeddingTableConfig) else _build(EmbeddingTableConfig, raw, key)
             except ConfigError as exc:  # the table's own checks say "embeddings.<field>": name the table
                 message = str(exc)
-                if not message.startswith(key + "."):
+                if not message.startswith((key + ".", key + ":")):
                     message = message.replace("embeddings.", key + ".", 1)
                 raise ConfigError(message) from None
         object.__setattr__(self, "embeddings", tables)
@@ -666,12 +682,26 @@ def _type_name(hint: Any) -> str:
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
+EXPONENT_FLOAT = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+"""A float in exponent notation that YAML 1.1 (PyYAML) reads as a string, ``1e-3`` or ``1.0e3``: it takes only
+``1.0e-3`` (a dot and a signed exponent); YAML 1.2 and most other readers take them all as numbers."""
+
+
+def _exponent_floats(value: Any, hint: Any) -> Any:
+    """``value`` with exponent-notation strings as floats where the field takes floats (``lr: 1e-3``)."""
+    if hint is float and isinstance(value, str) and EXPONENT_FLOAT.fullmatch(value):
+        return float(value)
+    if typing.get_origin(hint) is list and typing.get_args(hint) == (float,) and isinstance(value, list):
+        return [_exponent_floats(v, float) for v in value]
+    return value
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'the job file'}: must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names, key=str)  # YAML keys may be numbers or booleans too: no TypeError
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(f"{where}{unknown[0]}: unknown key; known keys here are {', '.join(sorted(names))}")
@@ -686,11 +716,15 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(hint):
             values[f.name] = _build(typing.cast(type, hint), value if value is not None else {}, key)
             continue
+        value = _exponent_floats(value, hint)
         if not _type_ok(value, hint):
             if typing.get_origin(hint) is Literal:
                 raise _choice_error(key, value, hint)
             raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r}")
-        values[f.name] = float(value) if hint is float else value
+        try:
+            values[f.name] = float(value) if hint is float else value
+        except OverflowError:  # an int past float's range (about 1.8e308)
+            raise ConfigError(f"{key}: must be a finite number, got an integer too large for a float") from None
     return cls(**values)
 
 
@@ -698,13 +732,40 @@ def parse_config(raw: Any) -> JobConfig:
     return typing.cast(JobConfig, _build(JobConfig, raw, ""))
 
 
+class _JobFileLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: it would keep the last one silently, so a
+    second ``optimizer:`` section (or ``steps:`` twice in one) would drop the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor`` may be overridden key by key
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                repeated = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the safe loader's own error names it below
+                continue
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"found {key!r} twice", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path) -> JobConfig:
+    """The job file at ``path``; a file that cannot be read or parsed is a ConfigError without a cause, since no
+    user code raised: the coordinator and ``pstrain local`` then report one line and log no traceback."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as fh:  # a file, not its text: YAML's errors then name it, not "<unicode string>"
+            raw = yaml.load(fh, Loader=_JobFileLoader)  # a SafeLoader: no tags that build objects
     except OSError as exc:
-        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from exc
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from None
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: an int of over 4300 digits, a date like 2024-13-45
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None  # one log line
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{path} is not valid YAML: collections nested too deeply to read") from None
+    if raw is None:
+        raise ConfigError(f"{path} is empty: a job file needs at least model.factory and data.factory")
     return parse_config(raw)

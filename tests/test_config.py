@@ -205,3 +205,62 @@ def test_the_job_file_schema_does_not_import_the_planner():
     code = "import sys, pstrain.coordinator.config; print(any(m.startswith('pstrain.planner') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_exponent_notation_reads_as_a_number_where_a_float_is_expected(tmp_path):
+    """PyYAML (YAML 1.1) reads ``1e-3`` as a string, so ``lr: 1e-3`` was refused ("expected float, got '1e-3'")
+    though the reference writes ``eps`` as ``1e-8``; strings elsewhere stay strings."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        yaml.safe_dump(with_("job", name="1e3"))
+        + "optimizer: {name: adam, lr: 1e-3, eps: 1.0E-6, betas: [0.9, 9.99e-1], weight_decay: 5e-4}\n"
+        + "embeddings: {user: {rows: 8, dim: 2, lr: 5e-2, init_scale: .5e-1}}\n"
+        + "transport: {heartbeat_s: 2e0, heartbeat_timeout_s: 1e1}\n"
+    )
+    cfg = load_config(path)
+    assert (cfg.optimizer.lr, cfg.optimizer.eps, cfg.optimizer.betas, cfg.optimizer.weight_decay) == (
+        1e-3,
+        1e-6,
+        [0.9, 0.999],
+        5e-4,
+    )
+    assert (cfg.embeddings["user"].lr, cfg.embeddings["user"].init_scale) == (0.05, 0.05)
+    assert (cfg.transport.heartbeat_s, cfg.transport.heartbeat_timeout_s) == (2.0, 10.0)
+    assert cfg.job.name == "1e3"
+    path.write_text(yaml.safe_dump(MINIMAL) + "optimizer: {lr: 1e999}\n")
+    with pytest.raises(ConfigError, match=r"^optimizer\.lr: must be a finite number, got inf$"):
+        load_config(path)
+
+
+def test_a_bare_off_or_on_for_shared_memory_reads_as_the_choice(tmp_path):
+    """YAML reads a bare ``off`` as false: ``shared_memory: off``, as the reference writes it, was refused."""
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL) + "transport: {shared_memory: off, bulk_sockets: off}\n")
+    assert (load_config(path).transport.shared_memory, load_config(path).transport.bulk_sockets) == ("off", "off")
+    path.write_text(yaml.safe_dump(MINIMAL) + "transport: {shared_memory: on}\n")
+    assert load_config(path).transport.shared_memory == "auto"
+    path.write_text(yaml.safe_dump(MINIMAL) + "transport: {shared_memory: sometimes}\n")
+    with pytest.raises(ConfigError, match=r"^transport\.shared_memory: must be one of auto, off$"):
+        load_config(path)
+
+
+def test_a_size_may_be_a_plain_number_of_bytes(tmp_path):
+    """``increment: 0`` or ``device_memory: 85899345920`` read as numbers in YAML: they were refused as
+    "expected str" though "0" and "1e9" were taken."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        yaml.safe_dump(MINIMAL)
+        + "memory: {device_memory: 85899345920, host_memory: 1.5e+9, increment: 0, estimate: increment}\n"
+    )
+    memory = load_config(path).memory
+    assert (memory.device_memory, memory.host_memory, memory.increment) == ("85899345920", "1500000000.0", "0")
+    for text, match in [
+        ("{increment: 0, estimate: iterative}", r"^memory\.increment: must be positive with memory\.estimate"),
+        ("{device_memory: 0}", r"^memory\.device_memory: must be in \[1 B, 1 PiB\], got '0'$"),
+        ("{pinned_limit: -1}", r"^memory\.pinned_limit: cannot read '-1' as a size"),
+        ("{bandwidth: .inf}", r"^memory\.bandwidth: must be a finite number"),
+        ("{device_memory: true}", r"^memory\.device_memory: expected str \| float \| None, got True$"),
+    ]:
+        path.write_text(yaml.safe_dump(MINIMAL) + f"memory: {text}\n")
+        with pytest.raises(ConfigError, match=match):
+            load_config(path)

@@ -308,3 +308,79 @@ def test_eval_factory_imports_from_the_current_directory_like_the_others(tmp_pat
     write_job(path, eval={"factory": "localeval:no_such_eval"})
     bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "eval.factory: module 'localeval' has no attribute 'no_such_eval'" in bad.stderr
+
+
+# --------------------------------------------------------------------------- the file itself
+
+FACTORIES = "model: {factory: 'tests.helpers:odd_mlp'}\ndata: {factory: 'tests.helpers:classification_set'}\n"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", r"job\.yaml is empty: a job file needs at least model\.factory and data\.factory$"),
+        ("# all commented out\n", r"job\.yaml is empty: a job file needs at least model\.factory"),
+        (FACTORIES + "optimizer: {lr: 0.5}\noptimizer: {momentum: 0.9}\n", r"found 'optimizer' twice\s+in \S+, line 4"),
+        (FACTORIES + "job: {steps: 5, steps: 7}\n", r"found 'steps' twice\s+in \S+job\.yaml\S*, line 3, column 17$"),
+        (FACTORIES + "embeddings: {u: {rows: 2, dim: 1, dim: 3}}\n", r"found 'dim' twice"),
+        (FACTORIES + "job: {seed: " + "7" * 5000 + "}\n", r"is not valid YAML: Exceeds the limit \(4300 digits\)"),
+        (FACTORIES + "job: {name: 2024-13-45}\n", r"is not valid YAML: month must be in 1\.\.12"),
+        (FACTORIES + "optimizer: {lr: " + "9" * 400 + "}\n", r"^optimizer\.lr: must be a finite number, got an int"),
+        (FACTORIES + "transport: {pull_timeout_s: " + "9" * 400 + "}\n", r"^transport\.pull_timeout_s: must be a fin"),
+        (FACTORIES + "optimizer: {1: 2, lrr: 3}\n", r"^optimizer\.1: unknown key; known keys here are betas,"),
+        (FACTORIES + "1: 1\nsteps: 2\n", r"^1: unknown key; known keys here are batch,"),
+        (FACTORIES + "embeddings: {user: }\n", r"^embeddings\.user: must be a mapping, got NoneType$"),
+        (FACTORIES + "eval: {kwargs: {x: " + "[" * 5000 + "]" * 5000 + "}}\n", r"collections nested too deeply"),
+    ],
+)
+def test_a_job_file_that_does_not_parse_is_named_without_a_traceback(tmp_path, text, match):
+    """Each of these was a traceback (a huge int, keys of mixed types, a bad date), a silent choice (a key given
+    twice: YAML keeps the last one) or a confusing line ("got NoneType" for an empty file, "embeddings.user.user")."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(path)
+    assert info.value.__cause__ is None, "no user code raised: nothing to log a traceback of"
+
+
+def test_a_job_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(FACTORIES.encode() + b"job: {name: '\xff\xfe'}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} is not valid YAML: .*invalid start byte"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_may_still_override_what_they_merge(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(FACTORIES + "embeddings: {a: &t {rows: 4, dim: 2, lr: 0.5}, b: {<<: *t, dim: 3}}\n")
+    tables = load_config(path).embeddings
+    assert (tables["a"].dim, tables["b"].dim, tables["b"].lr, tables["b"].rows) == (2, 3, 0.5, 4)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model: {factory: [unclosed\n", "is not valid YAML: while parsing a flow sequence"),
+        (None, "cannot read job file"),
+    ],
+)
+def test_the_coordinator_reports_an_unreadable_job_file_on_one_line(tmp_path, text, message):
+    """Not user code: the coordinator's stderr (its journal under systemd) had a 60-line traceback of PyYAML."""
+    path = tmp_path / "job.yaml"
+    if text is not None:
+        path.write_text(text)
+    cmd = [sys.executable, "-m", "pstrain.coordinator", "--config", str(path), "--bind", "127.0.0.1:0"]
+    result = subprocess.run(cmd, env=child_env("cfg"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert " ERROR " in line and message in line and str(path) in line, result.stderr[-3000:]
+
+
+def test_pstrain_local_refuses_a_key_given_twice_on_one_line(tmp_path):
+    path = write_job(tmp_path / "job.yaml")
+    path.write_text(path.read_text() + "job: {steps: 1}\n")  # a second job section: it used to replace the first
+    marker, out = uuid.uuid4().hex, tmp_path / "out"
+    result = run_local(path, out, marker, timeout_s=120)
+    assert_refused_before_starting(result, out, marker, "found 'job' twice")
+    assert "traceback in" not in result.stderr

@@ -29,3 +29,16 @@ def test_the_probe_and_auto_batch_are_accepted_with_tables(patch):
     """Both run the model before the PS serves; the rows come from the seeded init (tests/test_sparse_probe.py)."""
     cfg = parse_config({**RAW, **patch})
     assert sorted(cfg.embeddings) == ["ctx", "item", "user"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("key, value", [("eps", 1e-6), ("betas", [0.8, 0.99])])
+def test_adams_settings_on_a_table_of_another_optimizer_are_refused_by_name(optimizer, key, value):
+    """Only the lazy Adam reads a table's betas and eps (adagrad's eps is torch's, 1e-10): elsewhere a value set
+    would be ignored without a word, so it is refused, as the dense optimizer's options are."""
+    table = {**RAW["embeddings"]["ctx"], "optimizer": optimizer}
+    with pytest.raises(ConfigError, match=f"embeddings.ctx.{key}: {optimizer} does not use it"):
+        parse_config({**RAW, "embeddings": {"ctx": {**table, key: value}}})
+    assert parse_config({**RAW, "embeddings": {"ctx": table}}).embeddings["ctx"].optimizer == optimizer
+    adam = parse_config({**RAW, "embeddings": {"ctx": {**table, "optimizer": "adam", key: value}}})
+    assert getattr(adam.embeddings["ctx"], key) == value
