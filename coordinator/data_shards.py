@@ -130,9 +130,13 @@ class DataShardTracker:
         self, worker_id: int, step: int, samples_per_step: int, adopter: int, consumed: Consumed | None = None
     ) -> list[int]:
         """``worker_id`` was dropped at ``step``: position its slot there (``reposition``) and let ``adopter``
-        serve it from now on; returns the ids counted done by the positioning."""
+        serve it, and any slot ``worker_id`` had adopted, from now on; returns the ids counted done by the
+        positioning."""
         done = self.reposition(worker_id, step, samples_per_step, consumed)
         with self._lock:
+            for slot, serving in list(self._adopted.items()):  # else a slot it had adopted is served by nobody
+                if serving == worker_id:
+                    self._adopted[slot] = adopter
             self._adopted[self._slot(worker_id)] = adopter
             self.positional = False
         return done
@@ -272,8 +276,11 @@ class DataShardTracker:
         """Give back what ``worker_id`` did not consume before ``step`` (the lock held); returns the ids counted done.
 
         Its stream's data shards wholly consumed count as done (pushed, maybe never reported); the one it was
-        inside goes back to its slot's queue from the first sample not consumed, the rest whole (a completion
-        of one of them is undone: its samples are trained again). Its stream begins again at ``step``.
+        inside goes back from the first sample not consumed, the rest whole (a completion of one of them is undone:
+        its samples are trained again), all to the head of the worker's own slot's queue in the stream's order, an
+        adopted slot's data shards too: whoever serves the slot next (its replacement, its adopter, the worker
+        itself after a rollback) trains them in the order the worker would have. Its stream begins again at
+        ``step``.
         """
         stream = self._streams.pop(worker_id, [])
         start = self._stream_start.get(worker_id, self._base)
@@ -302,8 +309,9 @@ class DataShardTracker:
                 self._done -= 1
         if left:
             raise RuntimeError(f"worker {worker_id} consumed {left} samples more than it was handed")
+        own = self._requeued[self._slot(worker_id)]  # an adopted slot's data shards too: in the stream's order
         for data_shard in reversed(back):
-            self._requeued[data_shard.data_shard_id % self.slots].appendleft(data_shard)
+            own.appendleft(data_shard)
         self._done += len(finished)
         self._record_completed(finished)
         self._last.pop(worker_id, None)
