@@ -55,6 +55,8 @@ class CheckpointTable:
         step = rows_per_block * (shards if self.ids is None else 1)
         for start in range(0, count, step):
             if owned is None:  # the whole table: this shard's ids are shard_id, shard_id + shards, ...
+                if start + shard_id >= count:  # the table ends before this shard's first id of the block
+                    break
                 ids = torch.arange(start + shard_id, min(count, start + step), shards, dtype=torch.int64)
                 rows = self.rows[ids]
             else:

@@ -56,14 +56,15 @@ def table_entries(
     """The state_dict entries the tables add to model.pt; past ``limit_bytes`` they go to ``out_dir/tables``."""
     by_name = {s.name: s for s in specs}
     layers = list(sparse_layers(model))
-    if sum(by_name[layer.table].rows * by_name[layer.table].row_bytes for _, layer in layers) > limit_bytes:
+    used = {layer.table for _, layer in layers}  # a table two layers share is one tensor in model.pt
+    if sum(by_name[name].rows * by_name[name].row_bytes for name in used) > limit_bytes:
         if out_dir is not None:
             for spec in specs:
                 ids, rows = pulled[spec.name]
                 payload = {"spec": spec.__dict__.copy(), "ids": ids, "rows": rows}
                 atomic_write(out_dir / "tables" / f"{spec.name}.pt", functools.partial(_save, payload))
         return {}
-    tables = {name: full_table(by_name[name], *pulled[name]) for name in {layer.table for _, layer in layers}}
+    tables = {name: full_table(by_name[name], *pulled[name]) for name in used}
     return {f"{path}.weight" if path else "weight": tables[layer.table] for path, layer in layers}
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from pstrain.ps_server.errors import StepConflict
 from pstrain.ps_server.local_client import _translated
 from pstrain.ps_server.sparse_table import SparseShard
 from pstrain.runtime.sparse_api import RowGrads, RowsAck, merge_rows, split_ids, split_rows
@@ -48,7 +49,13 @@ class LocalSparseClient:
         acks = []
         for shard, piece in zip(self._shards, pieces, strict=True):
             with _translated():
-                r = shard.push(worker_id, step, piece, device_count)
+                try:
+                    r = shard.push(worker_id, step, piece, device_count)
+                except StepConflict:
+                    if shard.version != step - 1:
+                        raise
+                    shard.pull(step, {}, self._pull_timeout_s)  # one ahead of a shard the step's pull did not wait for
+                    r = shard.push(worker_id, step, piece, device_count)
             acks.append(RowsAck(shard.shard_id, r.version, r.duplicate, r.completed, r.skipped))
         return acks
 

@@ -25,7 +25,8 @@ devices plus the number of devices in which the id occurred, and divides the sum
 * ``devices`` (the dense rule): the number of devices of the whole job.
 
 Each touched row is updated exactly once per step with the table's optimizer: SGD; Adagrad
-(``acc += g^2; w -= lr g / (sqrt(acc) + eps)``); or lazy row-wise Adam (moments and a step
+(``acc += g^2; w -= lr g / (sqrt(acc) + 1e-10)``, ``torch.optim.Adagrad``'s rule and eps: the table's ``eps`` is
+Adam's); or lazy row-wise Adam (moments and a step
 count per row, advanced only when the row is touched). Rows not touched are never written.
 The learning rate of step ``t`` is the table's ``lr``, times the dense schedule's factor of ``t``
 (``learning_rate(schedule, t) / scaled_lr``: the warmup) unless the table's ``lr_schedule`` is
@@ -61,6 +62,10 @@ from pstrain.runtime.sparse_rows import RowError, TableSpec, check_ids, init_row
 
 RowGrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(ids int64 [n], gradient sums float32 [n, dim], device counts int32 [n]) of one table."""
+
+ADAGRAD_EPS = 1e-10
+"""Adagrad's eps, ``torch.optim.Adagrad``'s default (``embeddings.<table>.eps`` is Adam's, 1e-8 by default: at
+Adagrad's first step of a row with gradients near 1e-7 it would shrink the update by a tenth)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +223,7 @@ class SparseTable:
         elif s.optimizer == "adagrad":
             acc = self._state["sum"][slots].addcmul_(g, g)
             self._state["sum"][slots] = acc
-            w.addcdiv_(g, acc.sqrt().add_(s.eps), value=-lr)
+            w.addcdiv_(g, acc.sqrt().add_(ADAGRAD_EPS), value=-lr)
         else:  # lazy row-wise Adam: bias correction from each row's own step count
             t = self._state["step"][slots] + 1
             m = self._state["exp_avg"][slots].mul_(s.beta1).add_(g, alpha=1 - s.beta1)

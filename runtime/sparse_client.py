@@ -106,7 +106,19 @@ class SparseClient:
         )
         for name, (ids, grads, counts) in (piece or {}).items():
             request.blocks.append(encode_block(name, ids, grads, counts))
-        reply = self._stubs[shard].PushRows(request, timeout=self._push_timeout_s)
+        try:
+            reply = self._stubs[shard].PushRows(request, timeout=self._push_timeout_s)
+        except grpc.RpcError as exc:
+            refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            if not refused or self._progress_one(shard, worker_id)[0] != step - 1:
+                raise
+            # One step ahead of this shard: the step's pull went only to the shards owning this worker's ids, so a
+            # shard still missing a peer's rows of the step before (in flight) was never waited for. Wait for it, as
+            # a pull would, and push once more.
+            self._stubs[shard].PullRows(
+                pb.PullRowsRequest(shard_id=shard, min_version=step), timeout=self._pull_timeout_s
+            )
+            reply = self._stubs[shard].PushRows(request, timeout=self._push_timeout_s)
         self._count(request.ByteSize(), reply.ByteSize())
         return RowsAck(shard, reply.version, reply.duplicate, reply.completed, reply.skipped)
 

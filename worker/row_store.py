@@ -107,6 +107,14 @@ class HostRowStore:
             spec = self.tables.get(name)
             if spec is None:
                 raise FactoryError(f"sparse_ids() names table {name!r}, which the job file does not declare")
+            if (
+                not isinstance(ids, torch.Tensor)
+                or ids.dtype.is_floating_point
+                or ids.dtype.is_complex
+                or ids.dtype == torch.bool
+            ):
+                kind = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+                raise FactoryError(f"sparse_ids() of table {name!r}: row ids must be an integer tensor, got {kind}")
             flat = ids.detach().reshape(-1).to("cpu", torch.int64)
             try:
                 check_ids(flat, spec.rows, f"sparse_ids() of table {name!r}")
