@@ -296,7 +296,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 direction[s.start : s.end].copy_(g[s.start : s.end]).mul_(lr)
                 continue
             w_norm, g_norm = math.sqrt(norms[s.index][0]), math.sqrt(norms[s.index][1])
-            trust = _trust(eta * w_norm, g_norm + wd * w_norm)
+            # A zero gradient takes trust 1 (as a zero tensor does), not eta / wd: the denominator alone is not zero.
+            trust = _trust(eta * w_norm, g_norm + wd * w_norm) if g_norm > 0 else 1.0
             direction[s.start : s.end].mul_(lr * trust)
         buf = state["momentum_buffer"]
         if step == 1:

@@ -467,7 +467,9 @@ def split_optimizer_state(state: dict[str, Any] | None, sizes: Sequence[int]) ->
                 f"optimizer state is empty); it restores only into those pieces, not {list(sizes)}: resume with "
                 "the transport.bucket_bytes it was written with"
             )
-        per_piece = None  # another bucketing wrote it: the first piece's values stand for all
+        # Another bucketing wrote it: each piece takes the values of the written pieces it overlaps, which must agree
+        # (a step count that one piece has and another lacks, after a skip, is no rounding: Adam's bias correction).
+        per_piece = _regroup(per_piece, written, sizes)
     out: list[dict[str, Any] | None] = []
     offset = 0
     for index, n in enumerate(sizes):
@@ -479,12 +481,52 @@ def split_optimizer_state(state: dict[str, Any] | None, sizes: Sequence[int]) ->
             if _per_element(value, total):
                 piece[key] = value[offset : offset + n].clone()
             elif key in kept:
-                piece[key] = kept[key]
+                piece[key] = kept[key].clone() if isinstance(kept[key], torch.Tensor) else kept[key]
             else:
                 piece[key] = value.clone() if isinstance(value, torch.Tensor) else value
         offset += n
         out.append({"state": {0: piece} if piece else {}, "param_groups": [dict(g) for g in state["param_groups"]]})
     return out
+
+
+def _regroup(
+    per_piece: Sequence[dict[str, Any]], written: Sequence[int] | None, sizes: Sequence[int]
+) -> list[dict[str, Any]]:
+    """The per-piece values of ``per_piece`` (for the writer's pieces of ``written`` elements) for pieces of ``sizes``:
+    a piece takes the values of the written pieces it overlaps; ``CheckpointError`` where those differ."""
+    if written is None:
+        raise CheckpointError(
+            f"this checkpoint's {len(per_piece)} pieces hold different optimizer step counts (a step some skipped) "
+            f"and it does not say their sizes; it restores only into {len(per_piece)} pieces, not {list(sizes)}: "
+            "resume with the transport.bucket_bytes it was written with"
+        )
+    bounds = [0]
+    for n in written:
+        bounds.append(bounds[-1] + n)
+    out: list[dict[str, Any]] = []
+    start = 0
+    for n in sizes:
+        end = start + n
+        over = [j for j in range(len(written)) if bounds[j] < end and start < bounds[j + 1]] if n else []
+        kept: dict[str, Any] = {}
+        for key in dict.fromkeys(k for j in over for k in per_piece[j]):
+            values = [per_piece[j].get(key) for j in over]
+            if any(not _same(v, values[0]) for v in values):
+                raise CheckpointError(
+                    f"this checkpoint was written by a shard cut into pieces of {list(written)} elements whose "
+                    f"optimizer state {key!r} differs ({', '.join(str(_plain(v)) for v in values)}: a step some of "
+                    f"them skipped); [{start}, {end}) of the shard spans several of them, so it restores only into "
+                    f"pieces none of which spans two that differ, not {list(sizes)}: resume with the "
+                    "transport.bucket_bytes it was written with"
+                )
+            kept[key] = values[0]
+        out.append(kept)
+        start = end
+    return out
+
+
+def _plain(value: object) -> object:
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def _absent(value: object) -> bool:

@@ -169,6 +169,57 @@ def test_the_update_is_per_tensor_not_per_slice():
     assert not torch.allclose(per_tensor, per_slice, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_a_tensor_with_a_zero_gradient_steps_like_the_reference_with_warmup(name):
+    """A tensor whose gradient is zero (an unused layer) with weight decay on, over steps whose LR changes every step.
+
+    LARS' trust ratio is 1 for a zero gradient, as for a zero tensor (the reference, and apex/timm): its denominator
+    ||g|| + wd ||w|| is not zero then, and the bare formula's eta / wd is not what the papers' implementations use.
+    """
+    sizes = [math.prod(s) for s in SHAPES]
+    total = sum(sizes)
+    dead = slice(sum(sizes[:1]), sum(sizes[:2]))  # the (70,) tensor, split across all 3 shards
+    initial = torch.randn(total, generator=torch.Generator().manual_seed(0))
+    exchange = InProcessExchange(3, timeout_s=30)
+    schedule = pb.LrSchedule(base_lr=LR[name], scaled_lr=LR[name], warmup_steps=4)
+    shards = [
+        ParameterShard(
+            r.shard_id,
+            r.start,
+            r.end,
+            initial[r.start : r.end],
+            SPECS[name],
+            schedule,
+            1,
+            layers=Layers(segments_for(sizes, 3, r.shard_id), exchange.combiner(r.shard_id)),
+        )
+        for r in ParamLayout.from_shapes([str(i) for i in range(len(sizes))], [[s] for s in sizes]).shard_ranges(3)
+    ]
+    steps = 6
+    summed = []
+    for step in range(steps):
+        g = grads(step, total)
+        g[dead] = 0
+        summed.append(g)
+    with ThreadPoolExecutor(3) as pool:
+        for step in range(steps):
+            g = summed[step]
+            assert all(pool.map(lambda s, g=g, step=step: s.push(0, step, g[s.start : s.end].clone(), DEVICES), shards))
+    ours = torch.cat([s.parameters()[1] for s in shards])
+
+    ws = [t.clone() for t in initial.split(sizes)]
+    state = [[torch.zeros(n) for n in sizes] for _ in range(2)]
+    for step in range(steps):
+        gs = [t / DEVICES for t in summed[step].split(sizes)]
+        lr = LR[name] * min(1.0, (step + 1) / 4)
+        if name == "lars":
+            reference_lars(ws, gs, state[0], lr, step + 1)
+        else:
+            reference_lamb(ws, gs, state[0], state[1], lr, step + 1)
+    torch.testing.assert_close(ours, torch.cat(ws), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ours[dead], initial[dead])  # weight decay moved it
+
+
 def test_a_layerwise_optimizer_without_segments_or_exchange_is_refused():
     param = torch.nn.Parameter(torch.zeros(10))
     with pytest.raises(InvalidArgument, match="parameter segments"):
