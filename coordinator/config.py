@@ -181,6 +181,11 @@ class BatchConfig:
             _bounded(self.per_device, "batch.per_device", 1, MAX_BATCH)
         if self.max_per_device is not None:
             _bounded(self.max_per_device, "batch.max_per_device", 1, MAX_BATCH)
+            _require(  # it bounds only what the plan picks: beside a number it would be ignored without a word
+                self.per_device == "auto",
+                "batch.max_per_device",
+                f"bounds per_device: auto only; per_device is {self.per_device}: remove one of them",
+            )
         _check_choices(self, "batch")
         _require(self.warmup_steps >= 0, "batch.warmup_steps", f"must be non-negative, got {self.warmup_steps}")
         _require(self.warmup_steps <= MAX_STEPS, "batch.warmup_steps", f"must be at most {MAX_STEPS}")

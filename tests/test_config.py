@@ -264,3 +264,11 @@ def test_a_size_may_be_a_plain_number_of_bytes(tmp_path):
         path.write_text(yaml.safe_dump(MINIMAL) + f"memory: {text}\n")
         with pytest.raises(ConfigError, match=match):
             load_config(path)
+
+
+def test_a_cap_on_the_auto_batch_beside_a_fixed_batch_is_refused():
+    """``max_per_device`` bounds only what the plan picks for ``per_device: auto``: next to a number (smaller than
+    it, say) it would be ignored without a word, and the job would train at the larger batch."""
+    with pytest.raises(ConfigError, match="batch.max_per_device: bounds per_device: auto only; per_device is 512"):
+        parse_config(with_("batch", per_device=512, max_per_device=256))
+    assert parse_config(with_("batch", per_device="auto", max_per_device=256)).batch.max_per_device == 256
