@@ -257,6 +257,9 @@ SHARED_MEMORY = ("auto", "off")
 BULK_SOCKETS = ("auto", "off")
 
 
+MIN_HEARTBEAT_S = 0.05
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     chunk_bytes: int = 512 * 1024
@@ -320,6 +323,9 @@ class TransportConfig:
         for key in ("push_timeout_s", "pull_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
             _require(getattr(self, key) > 0, f"transport.{key}", "must be positive")
             _require(getattr(self, key) <= MAX_TIMEOUT_S, f"transport.{key}", f"must be at most {MAX_TIMEOUT_S:.0f}")
+        _require(  # every member beats this often and the coordinator's liveness loop wakes as often: 1e-9 would spin
+            self.heartbeat_s >= MIN_HEARTBEAT_S, "transport.heartbeat_s", f"must be at least {MIN_HEARTBEAT_S} s"
+        )
         _require(
             self.heartbeat_timeout_s > 2 * self.heartbeat_s,
             "transport.heartbeat_timeout_s",

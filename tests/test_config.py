@@ -80,6 +80,7 @@ def test_whole_layer_offload_refuses_a_gpu_listed_twice():
         (with_("job", steps=0), r"job\.steps: must be at least 1"),
         (with_("data", shard_size=0), r"data\.shard_size"),
         (with_("transport", heartbeat_s=10, heartbeat_timeout_s=5), r"transport\.heartbeat_timeout_s"),
+        (with_("transport", heartbeat_s=1e-300), r"transport\.heartbeat_s: must be at least 0.05 s"),
         (with_("transport", chunk_bytes=10), r"transport\.chunk_bytes"),
         ({"data": {"factory": "d:f"}}, r"model: required key is missing"),
         ({**MINIMAL, "modle": {}}, r"modle: unknown key"),
