@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from pstrain.coordinator.errors import UnknownMember
+from pstrain.coordinator.errors import UnknownMember, WrongState
 from pstrain.coordinator.id_ranges import IdRanges
 
 log = logging.getLogger(__name__)
@@ -169,9 +169,21 @@ class DataShardTracker:
         return DataShardAssignment(data_shard_id, epoch, order[k * size : (k + 1) * size].tolist())
 
     def dispatch(self, worker_id: int, seq: int = 0) -> DataShardAssignment:
-        """The next data shard of the worker's slot; request ``seq`` (> 0) asked again gets the same one."""
+        """The next data shard of the worker's slot; request ``seq`` (> 0) asked again gets the same one.
+
+        ``WrongState`` for a request numbered below the worker's last one: an attempt its worker gave up on (its
+        handler waited past the call's deadline) and retried, which has since moved on. Served, it would hand out a
+        data shard nobody receives, counted in the worker's stream: never trained, and a later rewind would place
+        the worker's position after samples it never saw. A new process of the worker numbers from 1 again, but it
+        registers first, and every way back in (``requeue``, ``reposition``, a rollback) forgets the old number.
+        """
         with self._lock:
             last = self._last.get(worker_id)
+            if seq > 0 and last is not None and seq < last[0]:
+                raise WrongState(
+                    f"data shard request {seq} of worker {worker_id} arrived after its request {last[0]}: an attempt "
+                    "it gave up on; nothing handed out"
+                )
             if seq > 0 and last is not None and last[0] == seq and last[1].data_shard_id in self._doing:
                 return last[1]
             slots = self._served(worker_id)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from pstrain.coordinator.data_shards import DataShardTracker
+from pstrain.coordinator.errors import WrongState
 from pstrain.coordinator.ledger import StepLedger
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.worker.data_feed import DataFeed
@@ -169,3 +172,20 @@ def test_a_rollback_after_a_dropped_slot_was_taken_back_continues_with_the_same_
     assert rolled_back.taken == {key: taken for key, taken in cluster.taken.items() if key[0] >= checkpoint}
     before = [pair for (step, _), taken in sorted(cluster.taken.items()) if step < checkpoint for pair in taken]
     assert len(before + rolled_back.samples()) == len(set(before + rolled_back.samples())), "no sample twice"
+
+
+def test_a_request_the_worker_gave_up_on_and_answered_late_hands_out_nothing():
+    """Request 1's first attempt waits in its handler past the call's deadline; the worker retries it (served: the
+    same data shard for the same number), moves on to request 2, and only then is the first attempt answered. It
+    must hand out nothing: a shard handed to no one would never be trained and would count in the worker's
+    stream."""
+    tracker = DataShardTracker(40, 4, True, 3, slots=2)
+    first = tracker.dispatch(0, 1)
+    assert tracker.dispatch(0, 1) == first  # the retry
+    second = tracker.dispatch(0, 2)
+    with pytest.raises(WrongState, match="data shard request 1 of worker 0 arrived after its request 2"):
+        tracker.dispatch(0, 1)
+    assert tracker.outstanding(0) == sorted([first.data_shard_id, second.data_shard_id])
+    assert tracker.dispatch(0, 3).data_shard_id not in (first.data_shard_id, second.data_shard_id)
+    tracker.requeue(0)  # the worker failed: its replacement numbers from 1 again
+    assert tracker.dispatch(0, 1) == first
