@@ -37,11 +37,13 @@ class ParamLayout:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ParamLayout:
-        """The layout of ``model``; every parameter must be float32 (the wire and the PS are)."""
+        """The layout of ``model``; every parameter must be float32 (the wire and the PS are) and require a gradient
+        (a frozen one would be pushed with a zero gradient and still moved by the PS: weight decay, momentum)."""
         names, shapes = [], []
         for name, param in model.named_parameters():
             if param.dtype != torch.float32:
                 raise LayoutError(f"parameter {name!r} is {param.dtype}; pstrain trains float32 parameters")
+            refuse_frozen(name, param)
             names.append(name)
             shapes.append(tuple(param.shape))
         return cls.from_shapes(names, shapes)
@@ -146,3 +148,12 @@ class ParamLayout:
         """Each PS shard's piece of ``flat``, as views in shard order."""
         self._check_flat(flat, "flat vector")
         return [flat[r.start : r.end] for r in self.shard_ranges(num_shards)]
+
+
+def refuse_frozen(name: str, param: torch.nn.Parameter) -> None:
+    """``LayoutError`` for a parameter with ``requires_grad=False``: pstrain trains every parameter of the model."""
+    if not param.requires_grad:
+        raise LayoutError(
+            f"parameter {name!r} does not require a gradient: pstrain trains every parameter of the model, so a "
+            "frozen tensor must be a buffer (register_buffer), not a Parameter"
+        )

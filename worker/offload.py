@@ -352,6 +352,42 @@ def _recompute(module: nn.Module) -> None:
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        guard = _BufferGuard(module)
+        return torch.utils.checkpoint.checkpoint(
+            forward, *args, use_reentrant=False, context_fn=lambda: (guard.forward(), guard.recompute()), **kwargs
+        )
 
     module.forward = checkpointed  # type: ignore[method-assign]
+
+
+class _BufferGuard:
+    """Buffers a recomputed layer's forward changes (BatchNorm's running statistics) are not changed again when
+    backward recomputes it: plain PyTorch runs that forward once, so its statistics move once per step.
+
+    The forward notes the modules whose buffers it changed in place (BatchNorm's ``num_batches_tracked`` always
+    moves; its running means are written by the kernel without a version bump, so a module's buffers are kept
+    together); the recompute puts those modules' buffers back afterwards.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._changed: list[nn.Module] = []
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        before = {id(b): b._version for b in self._module.buffers()}
+        yield
+        self._changed = [
+            m for m in self._module.modules() if any(b._version != before.get(id(b)) for b in m.buffers(recurse=False))
+        ]
+
+    @contextmanager
+    def recompute(self) -> Iterator[None]:
+        kept = [(m, name, b, b.clone()) for m in self._changed for name, b in m._buffers.items() if b is not None]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, name, b, value in kept:
+                    m._buffers[name] = b  # a forward that assigns a new tensor gets the old one back too
+                    b.copy_(value)

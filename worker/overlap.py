@@ -147,6 +147,8 @@ class BucketPusher:
         self._ready: list[int] = []  # per bucket: devices on which it is complete
         self._events: list[list[StagedBucket | None]] = []  # per device, per bucket: its copies to the host
         self._queued: set[int] = set()
+        self._got: list[set[int]] = []  # per device: parameters whose gradient this step has reported
+        self.names: Sequence[str] = ()  # the layout's parameter names, for errors (``ReplicaSet.attach`` sets them)
         self.on_push: Callable[[Bucket], None] | None = None  # tests observe the order of pushes
 
     def start(self, step: int, held: Future[pb.Directive] | None = None) -> None:
@@ -159,6 +161,7 @@ class BucketPusher:
             self._ready = [0] * len(self.plan.buckets)
             self._events = [[None] * len(self.plan.buckets) for _ in range(self.devices)]
             self._queued = set()
+            self._got = [set() for _ in range(self.devices)]
             self._sent = []
 
     def gradient_ready(self, device: int, param: int, stage: Stage) -> None:
@@ -166,6 +169,15 @@ class BucketPusher:
         with self._lock:
             if self._step is None:
                 return  # not a training step (the probe, a test's plain forward_backward)
+            if param in self._got[device]:  # its bucket may have been counted complete before this part came
+                name = self.names[param] if param < len(self.names) else f"number {param}"
+                raise RuntimeError(
+                    f"parameter {name} got a gradient twice in one backward on device {device}: a parameter used in "
+                    "several reentrant backward passes (torch.utils.checkpoint with use_reentrant=True around a module "
+                    "that runs more than once, or around a parameter also used outside it) cannot be pushed as soon "
+                    "as its gradient is ready; use use_reentrant=False"
+                )
+            self._got[device].add(param)
             bucket = self.plan.bucket_of[param]
             left = self._left[device]
             left[bucket] -= 1
@@ -332,6 +344,9 @@ class BucketLoader:
         self._pulled: dict[int, threading.Lock] = {b.index: threading.Lock() for b in plan.buckets}
         self._done: set[int] = set()
         self.waited_s = [0.0] * replicas  # per replica, since ``arm``: the exposed pull
+        # Per replica, since ``arm``: the buckets only ``ensure_all`` loaded (after forward). A parameter of one that
+        # gets a gradient was read by forward before its new version was there (``ReplicaSet`` refuses that).
+        self.late: list[set[int]] = [set() for _ in range(replicas)]
 
     def arm(self, version: int, pulls: dict[int, PullHandle], repull: Repull) -> None:
         """The next forward loads ``version`` per bucket from ``pulls`` (started by the pusher)."""
@@ -342,6 +357,7 @@ class BucketLoader:
             self._done = set()
             self._loaded = [[False] * len(self.plan.buckets) for _ in range(self._replicas)]
             self.waited_s = [0.0] * self._replicas
+            self.late = [set() for _ in range(self._replicas)]
 
     @property
     def armed(self) -> bool:
@@ -360,6 +376,8 @@ class BucketLoader:
             loaded[index] = True
 
     def ensure_all(self, replica: int, load: Callable[[Bucket], None]) -> None:
+        """After forward: load the buckets no module's pre-hook loaded (noted in ``late``)."""
+        self.late[replica] = {b.index for b in self.plan.buckets if not self._loaded[replica][b.index]}
         self.ensure(replica, [b.index for b in self.plan.forward_order], load)
 
     def _wait(self, index: int) -> None:

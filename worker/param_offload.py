@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.layout import LayoutError, ParamLayout
 from pstrain.worker.offload import SwapToHost
 
 
@@ -81,15 +81,30 @@ class HostGradSum:
         self.devices = devices
         self._done = [0] * params
         self._turn = threading.Condition()
+        self._failed: str | None = None  # another device's step failed: its turns will never come
+
+    def abort(self, why: str) -> None:
+        """A device's forward or backward raised: the devices waiting for its turns raise instead of waiting."""
+        with self._turn:
+            if self._failed is None:  # the first failure; the others are its consequence
+                self._failed = why
+            self._turn.notify_all()
 
     def add(self, device: int, step: int, param: int, target: torch.Tensor, grad: torch.Tensor | None) -> None:
         """Put ``grad`` (None: no gradient) into ``target``, the host view of parameter ``param``, in turn."""
         with self._turn:
-            if not self._turn.wait_for(lambda: self._done[param] == step * self.devices + device, timeout=600.0):
+            turn = step * self.devices + device
+            if not self._turn.wait_for(lambda: self._failed is not None or self._done[param] == turn, timeout=600.0):
                 raise RuntimeError(f"device {device} waited 10 min for its turn to sum parameter {param}")
+            if self._failed is not None:
+                raise RuntimeError(f"device {device} stops summing parameter {param}: {self._failed}")
         if grad is None:
             if device == 0:
                 target.zero_()
+        elif grad.is_sparse:  # nn.Embedding(sparse=True): no dense copy of it on the device; added where it has rows
+            if device == 0:
+                target.zero_()
+            target.add_(grad.to("cpu"))
         elif device == 0:
             target.copy_(grad)
         elif grad.device.type == "cpu":
@@ -139,12 +154,20 @@ class ParamOffload:
     def install(self, flat_params: torch.Tensor, flat_grads: torch.Tensor) -> None:
         """Hook every layer; ``flat_params``/``flat_grads`` are the host buffers the parameters are bound to."""
         position = {id(p): i for i, p in enumerate(self._model.parameters())}
-        seen: set[int] = set()
-        for module in self._model.modules():
-            params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen: dict[int, str] = {}  # parameter -> the module it is a layer's of
+        for module_name, module in self._model.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            for name, p in own.items():
+                if id(p) in seen:  # tied: the other module's forward would compute on the host copy
+                    raise LayoutError(
+                        f"parameter {name!r} of module {module_name!r} is also a parameter of module {seen[id(p)]!r} "
+                        "(tied weights): memory.offload_params brings a parameter to the device only for the forward "
+                        "of the module it belongs to, so it cannot train a model that shares one between modules"
+                    )
+            params = list(own.values())
             if not params:
                 continue
-            seen.update(id(p) for p in params)
+            seen.update((id(p), module_name) for p in params)
             host = [self._view(flat_params, position[id(p)]) for p in params]
             grads = [self._view(flat_grads, position[id(p)]) for p in params]
             layer = _Layer(len(self._layers), module, params, host, grads, [position[id(p)] for p in params])
@@ -309,6 +332,13 @@ class ParamOffload:
             if grad is None:
                 return
             target = layer.grads[i]
+            if layer.positions[i] in self._summed:  # it would wait (10 min) for a turn it has already had
+                name = self._layout.names[layer.positions[i]]
+                raise RuntimeError(
+                    f"parameter {name!r} got a gradient twice in one backward: a parameter used in several reentrant "
+                    "backward passes (torch.utils.checkpoint with use_reentrant=True around a module that runs more "
+                    "than once) cannot be offloaded; use use_reentrant=False"
+                )
             if self.grad_sum is not None:
                 self.grad_sum.add(self.device_index, self._steps, layer.positions[i], target, grad)
                 self._summed.add(layer.positions[i])

@@ -15,7 +15,8 @@ each bucket of new parameters just before the first module that uses it runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ import torch
 
 from pstrain.runtime.buckets import Bucket, BucketPlan
 from pstrain.runtime.factories import LossFn
-from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.layout import ParamLayout, refuse_frozen
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
 from pstrain.worker.param_offload import HostGradSum, ParamOffload, offload_layers
@@ -67,6 +68,8 @@ class Replica:
         host_params: torch.Tensor | None = None,
     ) -> Replica:
         """``host_params``: the host's parameter buffer, which a CPU replica uses as its own (see ``ReplicaSet``)."""
+        for name, param in model.named_parameters():  # a model that froze one after the layout was made
+            refuse_frozen(name, param)
         if memory is not None and memory.offload_params:  # issue 10: parameters and gradients stay on the host
             swap = SwapToHost(memory.prefetch, memory.pinned_limit_bytes)
             apply_layer_policies(model, memory.layer_policies, swap)  # first: the parameter hooks nest inside
@@ -90,8 +93,9 @@ class Replica:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """One forward/backward on this device's slice; the gradient lands in ``flat_grads``."""
-        loss = self.forward(inputs, targets, loss_fn)
-        self.backward(loss)
+        with self._failing_others():
+            loss = self.forward(inputs, targets, loss_fn)
+            self.backward(loss)
         if self.staging is not self.flat_grads:
             self.staging.copy_(self.flat_grads, non_blocking=True)
         return loss.detach()
@@ -105,8 +109,21 @@ class Replica:
         targets = targets.to(self.device, non_blocking=True)
         return loss_fn(self.model(inputs), targets)
 
+    @contextlib.contextmanager
+    def _failing_others(self) -> Iterator[None]:
+        """With whole-layer offload the devices of a host sum each gradient in turn: if this one raises (the
+        probe's out-of-memory, a user hook), the others must not wait 10 minutes for turns that never come."""
+        try:
+            yield
+        except BaseException as exc:
+            offload = self.param_offload
+            if offload is not None and offload.grad_sum is not None:
+                offload.grad_sum.abort(f"device {offload.device_index} failed: {type(exc).__name__}: {exc}")
+            raise
+
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        with self._failing_others():
+            loss.backward()
         if self.param_offload is not None:
             self.param_offload.finish_step()
         self.layout.rebind_grads(self.model, self.flat_grads)
@@ -246,6 +263,7 @@ class ReplicaSet:
             handle.remove()
         self._hooks = []
         self._pusher, self._loader = pusher, loader
+        pusher.names = self.layout.names
         for index, r in enumerate(self.replicas):
             params = list(r.model.parameters())  # layout order (named_parameters, shared ones once)
             position = {id(p): i for i, p in enumerate(params)}
@@ -262,11 +280,18 @@ class ReplicaSet:
         offset = self.layout.offsets[param]
 
         def hook(p: torch.Tensor) -> None:
+            assert self._loader is not None and self._pusher is not None
+            if self._pusher.plan.bucket_of[param] in self._loader.late[device]:
+                raise RuntimeError(
+                    f"parameter {self.layout.names[param]!r} was used by forward before its new version was loaded: "
+                    "its bucket is loaded just before the first module that owns it (or one above it that has "
+                    "parameters of its own) runs, and no such module ran (a module reading a child's weight without "
+                    "calling it, or a module's forward called directly); set transport.bucket_bytes: 0"
+                )
             view = r.flat_grads[offset : offset + p.numel()]
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # replaced by a user hook: keep values
                 view.copy_(p.grad.reshape(-1))
                 p.grad = view.view(p.shape)
-            assert self._pusher is not None
             self._pusher.gradient_ready(device, param, r.stage_bucket)
 
         return hook
