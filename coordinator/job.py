@@ -234,6 +234,9 @@ class Job:
             job_id, len(self.shard_ranges), plan.workers, plan.devices_per_worker, heartbeat_timeout_s, clock
         )
         self._probe = ProbeSession(probe) if probe is not None else None
+        self._recovered_estimate = (
+            (recovery.worker_device_bytes, recovery.worker_host_bytes) if recovery is not None else (0, 0)
+        )
         self.ledger = StepLedger(
             plan.workers,
             lambda step: self._plan_at(step).lr_at(step),
@@ -417,6 +420,8 @@ class Job:
             "per_device_batch": self.plan.per_device_batch,
             "start_step": self._start_step,
             "completed": self.ledger.completed,
+            "worker_device_bytes": self.worker_device_bytes,  # the probe's estimate: a restart has no probe
+            "worker_host_bytes": self.worker_host_bytes,
         }
 
     def _compact(self) -> None:
@@ -746,13 +751,25 @@ class Job:
             return ProbeOutcome(judgement.done, self.spec, judgement.limit_bytes, judgement.message)
 
     @property
+    def global_batch(self) -> int:
+        """The step in progress's global batch, as ``status`` reports it: it follows a probe's re-plan and a
+        ``cluster.min_workers`` drop or return."""
+        with self._cond:
+            return self._plan_at(self.ledger.completed).global_batch
+
+    @property
     def worker_device_bytes(self) -> int:
-        """S2.2's estimate of the device memory each worker needs; 0 before (or without) the probe."""
-        return self._probe.worker_device_bytes if self._probe is not None else 0
+        """S2.2's estimate of the device memory each worker needs; 0 before (or without) the probe. A job taken
+        back from its journal has the estimate its probe made before the restart."""
+        if self._probe is not None:
+            return self._probe.worker_device_bytes
+        return self._recovered_estimate[0]
 
     @property
     def worker_host_bytes(self) -> int:
-        return self._probe.worker_host_bytes if self._probe is not None else 0
+        if self._probe is not None:
+            return self._probe.worker_host_bytes
+        return self._recovered_estimate[1]
 
     # ------------------------------------------------------------------ data shards
 

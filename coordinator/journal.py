@@ -138,6 +138,8 @@ class Recovery:
     worker_sets: list[list[Any]] = field(default_factory=list)  # the snapshot's [from step, worker ids] changes
     confirmations: list[tuple[int, int]] = field(default_factory=list)  # (shard, step) confirmed, not committed
     joining: dict[int, int] = field(default_factory=dict)  # the snapshot's returns in progress: worker -> first step
+    worker_device_bytes: int = 0  # the probe's S2.2 estimates when the job started; 0: no probe (or an older journal)
+    worker_host_bytes: int = 0
 
 
 def recovery(path: Path) -> Recovery:
@@ -207,4 +209,6 @@ def recovery(path: Path) -> Recovery:
         worker_sets=worker_sets,
         confirmations=confirmations,
         joining=joining,
+        worker_device_bytes=int(job.get("worker_device_bytes", 0)),
+        worker_host_bytes=int(job.get("worker_host_bytes", 0)),
     )

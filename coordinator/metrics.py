@@ -12,32 +12,37 @@ from pstrain.coordinator.memory_forecast import PsMemoryForecast
 from pstrain.runtime.memory_trend import Trend
 
 
-def register_job_metrics(job: Job) -> None:
+def register_job_metrics(job: Job, registry: CollectorRegistry = REGISTRY) -> None:
     """Gauges computed from the job at scrape time, so they can never drift from it."""
 
     def last_loss() -> float:
         records = job.records
         return records[-1].loss if records else float("nan")
 
-    Gauge("pstrain_coordinator_step", "Steps completed by every worker").set_function(lambda: job.ledger.completed)
-    Gauge("pstrain_coordinator_steps", "Steps the job trains for").set(job.plan.steps)
+    Gauge("pstrain_coordinator_step", "Steps completed by every worker", registry=registry).set_function(
+        lambda: job.ledger.completed
+    )
+    Gauge("pstrain_coordinator_steps", "Steps the job trains for", registry=registry).set(job.plan.steps)
     Gauge(
         "pstrain_coordinator_state",
         "Job state (1 waiting, 2 running, 3 exporting, 4 finished, 5 failed, 6 probing)",
+        registry=registry,
     ).set_function(lambda: int(job.state))
-    Gauge("pstrain_coordinator_workers_alive", "Workers heard from within the heartbeat timeout").set_function(
-        lambda: job.alive_count("worker")
-    )
-    Gauge("pstrain_coordinator_ps_shards_alive", "PS shards heard from within the heartbeat timeout").set_function(
-        lambda: job.alive_count("ps")
-    )
-    Gauge("pstrain_coordinator_loss", "Mean loss of the last completed step").set_function(last_loss)
-    Gauge("pstrain_coordinator_global_batch", "Samples per step over all devices").set(job.plan.global_batch)
-    data_shards = Gauge("pstrain_coordinator_data_shards", "Data shards by state", ["state"])
+    Gauge(
+        "pstrain_coordinator_workers_alive", "Workers heard from within the heartbeat timeout", registry=registry
+    ).set_function(lambda: job.alive_count("worker"))
+    Gauge(
+        "pstrain_coordinator_ps_shards_alive", "PS shards heard from within the heartbeat timeout", registry=registry
+    ).set_function(lambda: job.alive_count("ps"))
+    Gauge("pstrain_coordinator_loss", "Mean loss of the last completed step", registry=registry).set_function(last_loss)
+    Gauge(
+        "pstrain_coordinator_global_batch", "Samples per step over all devices (the live workers')", registry=registry
+    ).set_function(lambda: job.global_batch)  # not set once at start: a re-plan or a min_workers drop changes it
+    data_shards = Gauge("pstrain_coordinator_data_shards", "Data shards by state", ["state"], registry=registry)
     data_shards.labels("todo").set_function(lambda: job.data_shards.counts().todo)
     data_shards.labels("doing").set_function(lambda: job.data_shards.counts().doing)
     data_shards.labels("done").set_function(lambda: job.data_shards.counts().done)
-    register_ps_memory_metrics(job)
+    register_ps_memory_metrics(job, registry)
 
 
 FORECAST_MAX_AGE_S = 1.0

@@ -133,6 +133,7 @@ class ShardDataPlane:
         metrics.VERSION.set_function(lambda: shard.version)
         metrics.SHARD_BYTES.set_function(lambda: shard.snapshot().bytes_held)
         metrics.PUSHES_WAITING.set_function(lambda: shard.snapshot().pushes_waiting)
+        metrics.PULLS_WAITING.set_function(lambda: self.pulls_waiting)
 
     @property
     def shard(self) -> PiecedShard:

@@ -14,3 +14,4 @@ UPDATE_SECONDS = Histogram("pstrain_ps_update_seconds", "Optimizer update of the
 VERSION = Gauge("pstrain_ps_version", "Published parameter version (= steps applied)")
 SHARD_BYTES = Gauge("pstrain_ps_shard_bytes", "Bytes held: parameters, accumulator and optimizer state")
 PUSHES_WAITING = Gauge("pstrain_ps_pushes_waiting", "Contributions received for the step being collected")
+PULLS_WAITING = Gauge("pstrain_ps_pulls_waiting", "Pulls waiting for a version this shard has not published yet")

@@ -366,7 +366,8 @@ class Trainer:
         step_s: float,
         skipped: bool = False,
     ) -> None:
-        model_bytes = self.job.total_params * 4
+        model_bytes = self.job.total_params * 4  # pulled as float32; pushed as the job's push dtype, as a shard counts
+        pushed_bytes = self.job.total_params * (2 if self.job.push_dtype == pb.BFLOAT16 else 4)
         metrics.COMPUTE_SECONDS.observe(compute_s)
         metrics.PULL_SECONDS.observe(pull_s)
         metrics.STEP_SECONDS.observe(step_s)
@@ -377,6 +378,6 @@ class Trainer:
             metrics.SKIPPED_STEPS.inc()
         else:
             metrics.PUSH_SECONDS.observe(push_s)
-            metrics.BYTES_PUSHED.inc(model_bytes)
+            metrics.BYTES_PUSHED.inc(pushed_bytes)
             metrics.LOSS.set(sum(losses) / len(losses))
         log.debug("step %d: compute %.3fs push %.3fs pull %.3fs", step, compute_s, push_s, pull_s)

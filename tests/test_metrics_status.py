@@ -1,0 +1,50 @@
+"""GetJobStatus's figures after a coordinator restart that takes the job back from its journal."""
+
+import yaml
+
+from pstrain.coordinator.config import parse_config
+from pstrain.coordinator.ledger import StepReport
+from pstrain.coordinator.main import build_job, job_keys
+from pstrain.coordinator.probe import ProbeReport
+from pstrain.planner.memory_estimate import Probe
+from tests.helpers import write_job
+
+MiB = 1 << 20
+
+
+def test_the_memory_estimate_survives_a_coordinator_restart(tmp_path):
+    path = write_job(
+        tmp_path / "job.yaml",
+        cluster={"ps_shards": 1, "workers": 2, "devices_per_worker": 1},
+        memory={"probe": True},
+        job={"steps": 20, "seed": 0},
+    )
+    cfg = parse_config(yaml.safe_load(path.read_text()))
+    out = tmp_path / "out"
+    job = build_job(cfg, out)
+    job_keys(out, False)  # as the coordinator's main keeps it: a job without its key is not taken back
+    job.register_ps(0, "127.0.0.1:5000")
+    job.ps_ready(0)
+    for i in range(2):
+        job.register_worker(f"127.0.0.1:{6000 + i}", [], f"h{i}")
+    batch = job.plan.per_device_batch
+    assert job.report_probe(ProbeReport(0, Probe(batch, device_peak_bytes=60 * MiB, host_peak_bytes=500 * MiB))).done
+    for step in range(2):
+        for worker in range(2):
+            job.report_step(StepReport(worker_id=worker, step=step, loss=1.0, samples=batch, step_s=0.1))
+    before = job.status()
+    assert before.worker_device_memory_bytes > 0 and before.worker_host_memory_bytes > 0
+    job.close()
+
+    again = build_job(cfg, out, recover=True)
+    try:
+        assert again.recovered and again.status().step == 2
+        after = again.status()
+        assert (after.worker_device_memory_bytes, after.worker_host_memory_bytes) == (
+            before.worker_device_memory_bytes,
+            before.worker_host_memory_bytes,
+        )
+        slot = again.worker_slot(1)  # what a replacement of worker 1 is served
+        assert slot.device_memory_bytes == before.worker_device_memory_bytes
+    finally:
+        again.close()
