@@ -142,6 +142,11 @@ def cmd_local(args: argparse.Namespace) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         print(f"pstrain local: --out {out_dir}: a file is there; name a directory", file=sys.stderr)
         return 2
+    try:  # a file on the way (``--out a_file/run``) or no permission: one line, not a traceback
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"pstrain local: --out {out_dir}: cannot create the directory: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     try:
         with hold_directory(out_dir, LOCAL_RUN, "--out", "pstrain local run"):
             return _train_locally(args, out_dir)

@@ -437,7 +437,7 @@ class LocalCluster:
                             )
                             if bar.disable and (event.step + 1) % max(1, steps // 10) == 0:
                                 print(
-                                    f"step {event.step + 1}/{steps} loss {event.loss:.4f} "
+                                    f"step {event.step + 1}/{steps} loss {event.loss:.4f} lr {event.lr:.3g} "
                                     f"{event.samples_per_s:.0f} samples/s",
                                     flush=True,
                                 )

@@ -87,6 +87,16 @@ def test_an_out_that_is_a_file_exits_2_in_one_line(tmp_path, capsys):
     assert err.strip() == f"pstrain local: --out {tmp_path / 'out'}: a file is there; name a directory"
 
 
+def test_an_out_below_a_file_exits_2_in_one_line(tmp_path, capsys):
+    """``--out a_file/run`` could not be created: it was mkdir's traceback and exit 1."""
+    job = write_job(tmp_path / "job.yaml")
+    (tmp_path / "a_file").write_text("not a directory")
+    out = tmp_path / "a_file" / "run"
+    assert cli.main(["local", "--config", str(job), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"pstrain local: --out {out}: cannot create the directory: Not a directory"
+
+
 def test_a_memory_max_json_in_a_missing_folder_exits_2_before_planning(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "load_config", lambda path: pytest.fail("refused before the job file is read"))
     missing = tmp_path / "missing" / "x.json"

@@ -47,9 +47,11 @@ def test_outputs_and_buffers(tmp_path):
     result = run_local(job, tmp_path / "out", marker, extra=["--steps", "4"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 4 steps" in result.stdout
+    # Off a terminal, the progress lines say what the README promises: step, loss, LR, samples/s.
+    assert re.search(r"^step 4/4 loss \d+\.\d{4} lr [0-9.e-]+ \d+ samples/s$", result.stdout, re.M), result.stdout
     lines = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    assert {"step", "loss", "lr", "global_batch", "samples_per_s"} <= set(lines[0])
+    assert {"step", "loss", "lr", "global_batch", "samples_per_s", "step_s"} <= set(lines[0])
     assert all(m["global_batch"] == 8 and m["samples_per_s"] > 0 for m in lines)
     state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert int(state["1.num_batches_tracked"]) == 4, "BatchNorm buffers come from worker 0's first replica"
