@@ -745,9 +745,23 @@ def parse_config(raw: Any) -> JobConfig:
 
 class _JobFileLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping: it would keep the last one silently, so a
-    second ``optimizer:`` section (or ``steps:`` twice in one) would drop the first without a word."""
+    second ``optimizer:`` section (or ``steps:`` twice in one) would drop the first without a word.
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    The check runs on each mapping as written, before ``<<: *anchor`` merges are flattened into it: PyYAML flattens
+    a node in place (an anchored mapping merged elsewhere may be flattened before it is built), and a merged key
+    that the mapping overrides is no repeat."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()  # the mapping nodes checked before their flattening
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            self._refuse_repeats(node)
+        super().flatten_mapping(node)
+
+    def _refuse_repeats(self, node: yaml.MappingNode) -> None:
         seen: set[Any] = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor`` may be overridden key by key
@@ -756,13 +770,12 @@ class _JobFileLoader(yaml.SafeLoader):
             try:
                 repeated = key in seen
                 seen.add(key)
-            except TypeError:  # an unhashable key: the safe loader's own error names it below
+            except TypeError:  # an unhashable key: the safe loader's own error names it later
                 continue
             if repeated:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark, f"found {key!r} twice", key_node.start_mark
                 )
-        return super().construct_mapping(node, deep)
 
 
 def load_config(path: str | Path) -> JobConfig:

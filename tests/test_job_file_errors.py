@@ -357,6 +357,19 @@ def test_yaml_merge_keys_may_still_override_what_they_merge(tmp_path):
     assert (tables["a"].dim, tables["b"].dim, tables["b"].lr, tables["b"].rows) == (2, 3, 0.5, 4)
 
 
+def test_a_merged_mapping_that_overrides_its_own_merge_is_no_repeat_wherever_it_is_merged_again(tmp_path):
+    """PyYAML flattens a merged node in place: ``b``, merged into ``data.kwargs`` first, was flattened (``width``
+    from ``a`` next to its own) before it was built, and the check took that for ``width`` given twice."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "model: {factory: m:f, kwargs: {enc: {base: &a {width: 10, depth: 4}, big: &b {<<: *a, width: 20}}}}\n"
+        "data: {factory: d:f, kwargs: {<<: *b, seed: 1}}\n"
+    )
+    cfg = load_config(path)
+    assert cfg.model.kwargs["enc"]["big"] == {"width": 20, "depth": 4}
+    assert cfg.data.kwargs == {"width": 20, "depth": 4, "seed": 1}
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
