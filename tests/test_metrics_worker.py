@@ -1,26 +1,31 @@
-"""The worker's counters against what goes on the wire (the shard counts the same bytes)."""
+"""The worker's byte counters against what a run moves: pushes in the job's push dtype (as the shards count them),
+pulls in float32."""
 
-from types import SimpleNamespace
+from __future__ import annotations
 
+import pytest
 from prometheus_client import REGISTRY
+from torch import nn
 
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.worker.trainer import Trainer
-
-NUMEL = 1000
-
-
-def pushed_by_one_step(push_dtype: int) -> float:
-    """``Trainer._record`` of one step of a NUMEL-parameter model pushed as ``push_dtype``: bytes counted."""
-    trainer = SimpleNamespace(job=pb.JobSpec(total_params=NUMEL, push_dtype=push_dtype))
-    before = REGISTRY.get_sample_value("pstrain_worker_pushed_bytes_total") or 0.0
-    Trainer._record(trainer, 0, [1.0], 4, 0.01, 0.01, 0.01, 0.03)
-    return REGISTRY.get_sample_value("pstrain_worker_pushed_bytes_total") - before
+from pstrain.runtime.layout import ParamLayout
+from tests.test_worker_models import STEPS, train
 
 
-def test_float32_pushes_count_four_bytes_a_parameter():
-    assert pushed_by_one_step(pb.FLOAT32) == 4 * NUMEL
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4))
 
 
-def test_bfloat16_pushes_count_two_bytes_a_parameter_like_the_shard():
-    assert pushed_by_one_step(pb.BFLOAT16) == 2 * NUMEL
+def counted(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+@pytest.mark.parametrize("push_dtype, push_bytes", [(pb.FLOAT32, 4), (pb.BFLOAT16, 2)])
+def test_pushes_count_the_bytes_of_the_push_dtype_and_pulls_four(push_dtype: int, push_bytes: int) -> None:
+    """A real trainer's STEPS steps. Before, a bfloat16 job's worker counted 4 bytes a parameter pushed, twice what
+    its shards received."""
+    params = ParamLayout.of(mlp()).total
+    pushed, pulled = counted("pstrain_worker_pushed_bytes_total"), counted("pstrain_worker_pulled_bytes_total")
+    train(mlp, None, push_dtype)
+    assert counted("pstrain_worker_pushed_bytes_total") - pushed == STEPS * params * push_bytes
+    assert counted("pstrain_worker_pulled_bytes_total") - pulled == STEPS * params * 4

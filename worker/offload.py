@@ -16,7 +16,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,29 +361,25 @@ def _recompute(module: nn.Module) -> None:
 
 
 class _BufferGuard:
-    """Buffers a recomputed layer's forward changes (BatchNorm's running statistics) are not changed again when
-    backward recomputes it: plain PyTorch runs that forward once, so its statistics move once per step.
+    """A recomputed layer's buffers (BatchNorm's running statistics, an EMA) are not changed again when backward
+    recomputes it: plain PyTorch runs that forward once, so its statistics move once per step.
 
-    The forward notes the modules whose buffers it changed in place (BatchNorm's ``num_batches_tracked`` always
-    moves; its running means are written by the kernel without a version bump, so a module's buffers are kept
-    together); the recompute puts those modules' buffers back afterwards.
+    The recompute puts every buffer of the layer back as the forward left it. All of them, not only those whose
+    version moved: BatchNorm's kernel and writes through ``.data`` change a buffer without a version bump. Buffers
+    are small next to the activations a recompute rebuilds, and a copy lives only for the recompute.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
-        self._changed: list[nn.Module] = []
 
-    @contextmanager
-    def forward(self) -> Iterator[None]:
-        before = {id(b): b._version for b in self._module.buffers()}
-        yield
-        self._changed = [
-            m for m in self._module.modules() if any(b._version != before.get(id(b)) for b in m.buffers(recurse=False))
-        ]
+    def forward(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     @contextmanager
     def recompute(self) -> Iterator[None]:
-        kept = [(m, name, b, b.clone()) for m in self._changed for name, b in m._buffers.items() if b is not None]
+        kept = [
+            (m, name, b, b.clone()) for m in self._module.modules() for name, b in m._buffers.items() if b is not None
+        ]
         try:
             yield
         finally:

@@ -402,16 +402,22 @@ class ReplicaSet:
             torch.cuda.synchronize(d)
 
 
+_PARAMETER_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
 def _modules_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose forward pre-hook loads their buckets: the highest ones that hold parameters of their own.
 
     Such a module waits for the buckets of its whole subtree (it may read a child's weight directly); a
-    module without parameters of its own is walked into, so a container never waits for everything.
+    module without parameters of its own is walked into, so a container never waits for everything. A
+    ``ParameterList`` or ``ParameterDict`` is never called (its parent reads its tensors), so its parameters count
+    as its parent's own.
     """
     found: list[torch.nn.Module] = []
 
     def walk(module: torch.nn.Module) -> None:
-        if next(module.parameters(recurse=False), None) is not None:
+        read_here = any(isinstance(child, _PARAMETER_CONTAINERS) for child in module.children())
+        if read_here or next(module.parameters(recurse=False), None) is not None:
             found.append(module)
         else:
             for child in module.children():
