@@ -52,7 +52,7 @@ class LocalSparseClient:
                 try:
                     r = shard.push(worker_id, step, piece, device_count)
                 except StepConflict:
-                    if shard.version != step - 1:
+                    if shard.version not in (step - 1, step):  # step: the peer's rows landed since the refusal
                         raise
                     shard.pull(step, {}, self._pull_timeout_s)  # one ahead of a shard the step's pull did not wait for
                     r = shard.push(worker_id, step, piece, device_count)

@@ -110,7 +110,7 @@ class SparseClient:
             reply = self._stubs[shard].PushRows(request, timeout=self._push_timeout_s)
         except grpc.RpcError as exc:
             refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-            if not refused or self._progress_one(shard, worker_id)[0] != step - 1:
+            if not refused or self._progress_one(shard, worker_id)[0] not in (step - 1, step):  # step: since landed
                 raise
             # One step ahead of this shard: the step's pull went only to the shards owning this worker's ids, so a
             # shard still missing a peer's rows of the step before (in flight) was never waited for. Wait for it, as

@@ -4,6 +4,7 @@ and ids of the wrong dtype from ``sparse_ids``."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from pstrain.coordinator.initial_tables import CheckpointTable, initial_row_blocks, take_tables
 from pstrain.coordinator.table_export import table_entries
 from pstrain.nn import SparseEmbedding
+from pstrain.ps_server.errors import StepConflict
 from pstrain.ps_server.sparse_checkpoint import load_initial_rows
 from pstrain.ps_server.sparse_local_client import LocalSparseClient
 from pstrain.ps_server.sparse_service import SparseTablesServicer, add_sparse_tables
@@ -192,9 +194,32 @@ def test_a_push_one_step_ahead_of_a_shard_the_pull_skipped_waits_for_the_peers_r
         w1.push_rows(1, 3, {}, 1)
 
 
+class WatchedShard(SparseShard):
+    """A sparse shard that says when a client starts waiting on it (``pull``), and can land a peer's push the moment
+    it refuses one (``on_refusal``): the two orders of the race a push one step ahead runs into."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.pulled = threading.Event()
+        self.on_refusal: Callable[[], None] | None = None
+
+    def pull(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        self.pulled.set()
+        return super().pull(*args, **kwargs)  # type: ignore[arg-type]
+
+    def push(self, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        try:
+            return super().push(*args, **kwargs)  # type: ignore[arg-type]
+        except StepConflict:
+            land, self.on_refusal = self.on_refusal, None
+            if land is not None:
+                land()
+            raise
+
+
 def test_the_in_memory_client_waits_for_a_shard_one_step_behind_too():
     spec = TableSpec("t", 10, 3, seed=1, lr=0.5)
-    shards = [SparseShard(k, 2, [spec], workers=2, total_devices=2) for k in range(2)]
+    shards = [WatchedShard(k, 2, [spec], workers=2, total_devices=2) for k in range(2)]
     w0 = LocalSparseClient(shards, pull_timeout_s=10)
     w0.push_rows(0, 0, one_row([0, 1]), 1)
     shards[0].push(1, 0, one_row([2]), 1)  # worker 1's rows of step 0 reached shard 0 only
@@ -208,10 +233,22 @@ def test_the_in_memory_client_waits_for_a_shard_one_step_behind_too():
 
     pusher = threading.Thread(target=push)
     pusher.start()
-    try:  # shard 1's condition has a waiter: worker 0, for step 1 (the lock's own bookkeeping; no other way in)
-        waiters = shards[1]._cond._waiters  # type: ignore[attr-defined]
-        wait_for(lambda: failed or len(waiters) == 1, 10, "worker 0 to wait for shard 1")
+    try:
+        wait_for(lambda: failed or shards[1].pulled.is_set(), 10, "worker 0 to wait for shard 1")
         shards[1].push(1, 0, {}, 1)
     finally:
         pusher.join(10)
     assert not pusher.is_alive() and not failed and shards[1].progress(0) == (1, 1)
+
+
+def test_a_push_refused_just_before_the_peers_rows_landed_is_pushed_again():
+    """The refusal and the check of the shard's version are two steps: the peer's rows may land between them, and
+    then the shard is already at the pushed step (before, the refusal was raised: the worker failed)."""
+    spec = TableSpec("t", 10, 3, seed=1, lr=0.5)
+    shard = WatchedShard(0, 1, [spec], workers=2, total_devices=2)
+    w0 = LocalSparseClient([shard], pull_timeout_s=10)
+    w0.push_rows(0, 0, one_row([1]), 1)
+    shard.on_refusal = lambda: SparseShard.push(shard, 1, 0, one_row([2]), 1)
+    (ack,) = w0.push_rows(0, 1, one_row([1]), 1)
+    assert shard.on_refusal is None  # it was refused once, and the peer's rows landed then
+    assert (ack.version, ack.duplicate) == (1, False) and shard.progress(0) == (1, 1)
