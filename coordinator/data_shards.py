@@ -171,7 +171,8 @@ class DataShardTracker:
     def dispatch(self, worker_id: int, seq: int = 0) -> DataShardAssignment:
         """The next data shard of the worker's slot; request ``seq`` (> 0) asked again gets the same one.
 
-        ``WrongState`` for a request numbered below the worker's last one: an attempt its worker gave up on (its
+        ``WrongState`` for a request numbered below the worker's last one, or numbered as its last one once that
+        request's data shard is completed: an attempt its worker gave up on (its
         handler waited past the call's deadline) and retried, which has since moved on. Served, it would hand out a
         data shard nobody receives, counted in the worker's stream: never trained, and a later rewind would place
         the worker's position after samples it never saw. A new process of the worker numbers from 1 again, but it
@@ -184,8 +185,14 @@ class DataShardTracker:
                     f"data shard request {seq} of worker {worker_id} arrived after its request {last[0]}: an attempt "
                     "it gave up on; nothing handed out"
                 )
-            if seq > 0 and last is not None and last[0] == seq and last[1].data_shard_id in self._doing:
-                return last[1]
+            if seq > 0 and last is not None and last[0] == seq:
+                if last[1].data_shard_id in self._doing:
+                    return last[1]
+                raise WrongState(  # the worker has it done: this attempt is as late as one numbered below
+                    f"data shard request {seq} of worker {worker_id} was answered with data shard "
+                    f"{last[1].data_shard_id}, which it has completed since: an attempt it gave up on; "
+                    "nothing handed out"
+                )
             slots = self._served(worker_id)
             queue = next((self._requeued[slot] for slot in slots if self._requeued[slot]), None)
             data_shard = queue.popleft() if queue else self._fresh(min(slots, key=lambda slot: self._next[slot]))

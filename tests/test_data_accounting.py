@@ -189,3 +189,13 @@ def test_a_request_the_worker_gave_up_on_and_answered_late_hands_out_nothing():
     assert tracker.dispatch(0, 3).data_shard_id not in (first.data_shard_id, second.data_shard_id)
     tracker.requeue(0)  # the worker failed: its replacement numbers from 1 again
     assert tracker.dispatch(0, 1) == first
+
+
+def test_a_late_attempt_of_the_last_request_after_its_data_shard_was_completed_hands_out_nothing():
+    tracker = DataShardTracker(40, 4, True, 3, slots=2)
+    first = tracker.dispatch(0, 1)
+    tracker.complete(0, first.data_shard_id)  # trained and reported before the stuck first attempt is answered
+    with pytest.raises(WrongState, match=f"answered with data shard {first.data_shard_id}, which it has completed"):
+        tracker.dispatch(0, 1)
+    assert tracker.outstanding(0) == []
+    assert tracker.dispatch(0, 2).data_shard_id != first.data_shard_id
