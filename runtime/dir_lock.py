@@ -32,7 +32,8 @@ def ps_shard_lock(shard_id: int) -> str:
 
 
 class DirectoryBusy(RuntimeError):
-    """Another live process holds the directory's lock: this one must not start (exit 2)."""
+    """Another live process holds the directory's lock: this one must not start (exit 2; a PS shard, which learns
+    its checkpoint.dir only once it has joined, exits 3: the job's)."""
 
     def __init__(self, directory: Path, holder: int | None, what: str, owner: str) -> None:
         who = f"pid {holder}" if holder is not None else "a process that has not written its pid yet"
