@@ -12,6 +12,7 @@ pool as before. Callers see the same ``ServingServer`` either way.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import gc
 import inspect
@@ -90,6 +91,19 @@ def full_service_name(short: str) -> str:
     return pb.DESCRIPTOR.services_by_name[short].full_name
 
 
+def is_poller_wakeup_race(exc: BaseException | None) -> bool:
+    """``exc`` is gRPC asyncio's ``PollerCompletionQueue._handle_events`` reading a socket already closed (EBADF)
+    or already drained by another wake-up (EAGAIN; grpc/grpc#25364)."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.EBADF, errno.EAGAIN):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name.endswith("_handle_events"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class AsyncioServer:
     """A ``grpc.aio.Server`` and the event loop it runs on, in a daemon thread of its own.
 
@@ -100,9 +114,20 @@ class AsyncioServer:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.stopping = False
+        self.loop.set_exception_handler(self._report)
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
         self.server: grpc.aio.Server | None = None
+
+    def _report(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """The loop's errors, less one that is gRPC's own race: while a server stops right after it started, the
+        poller's wake-up callback may run once its socket is closed (EBADF, logged with a traceback by asyncio's
+        default handler, though nothing failed)."""
+        if self.stopping and is_poller_wakeup_race(context.get("exception")):
+            log.debug("gRPC's poller woke up after its socket closed, as the server stopped; nothing lost")
+            return
+        loop.default_exception_handler(context)
 
     def run(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` on the loop and wait for its result in the calling thread."""
@@ -111,6 +136,7 @@ class AsyncioServer:
     def stop(self, grace_s: float) -> None:
         if self.loop.is_closed():
             return
+        self.stopping = True
         try:
             if self.server is not None:
                 self.run(self.server.stop(grace_s))
