@@ -67,7 +67,9 @@ class _Activation:
     packed: Any
 
 
-_PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+"""Modules never called: their parent reads their tensors, so their parameters are the parent's (a pre-hook of the
+parent's, not of theirs, runs before those tensors are read)."""
 
 
 class HostGradSum:
@@ -159,11 +161,11 @@ class ParamOffload:
         position = {id(p): i for i, p in enumerate(self._model.parameters())}
         seen: dict[int, str] = {}  # parameter -> the module it is a layer's of
         for module_name, module in self._model.named_modules():
-            if isinstance(module, _PARAMETER_CONTAINERS):
+            if isinstance(module, PARAMETER_CONTAINERS):
                 continue  # never called: its parent reads its tensors, so they are a layer of the parent's
             own = dict(module.named_parameters(recurse=False))
             for child_name, child in module.named_children():
-                if isinstance(child, _PARAMETER_CONTAINERS):
+                if isinstance(child, PARAMETER_CONTAINERS):
                     own.update((f"{child_name}.{name}", p) for name, p in child.named_parameters())
             for name, p in own.items():
                 if id(p) in seen:  # tied: the other module's forward would compute on the host copy

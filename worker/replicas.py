@@ -28,7 +28,7 @@ from pstrain.runtime.factories import LossFn
 from pstrain.runtime.layout import ParamLayout, refuse_frozen
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
-from pstrain.worker.param_offload import HostGradSum, ParamOffload, offload_layers
+from pstrain.worker.param_offload import PARAMETER_CONTAINERS, HostGradSum, ParamOffload, offload_layers
 
 T = TypeVar("T")
 
@@ -402,9 +402,6 @@ class ReplicaSet:
             torch.cuda.synchronize(d)
 
 
-_PARAMETER_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
-
-
 def _modules_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose forward pre-hook loads their buckets: the highest ones that hold parameters of their own.
 
@@ -416,7 +413,7 @@ def _modules_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     found: list[torch.nn.Module] = []
 
     def walk(module: torch.nn.Module) -> None:
-        read_here = any(isinstance(child, _PARAMETER_CONTAINERS) for child in module.children())
+        read_here = any(isinstance(child, PARAMETER_CONTAINERS) for child in module.children())
         if read_here or next(module.parameters(recurse=False), None) is not None:
             found.append(module)
         else:
