@@ -172,11 +172,11 @@ class DataShardTracker:
         """The next data shard of the worker's slot; request ``seq`` (> 0) asked again gets the same one.
 
         ``WrongState`` for a request numbered below the worker's last one, or numbered as its last one once that
-        request's data shard is completed: an attempt its worker gave up on (its
-        handler waited past the call's deadline) and retried, which has since moved on. Served, it would hand out a
-        data shard nobody receives, counted in the worker's stream: never trained, and a later rewind would place
-        the worker's position after samples it never saw. A new process of the worker numbers from 1 again, but it
-        registers first, and every way back in (``requeue``, ``reposition``, a rollback) forgets the old number.
+        request's data shard is completed: an attempt its worker gave up on (its handler waited past the call's
+        deadline) and retried, which has since moved on. Served, it would hand out a data shard nobody receives,
+        counted in the worker's stream: never trained, and a later rewind would place the worker's position after
+        samples it never saw. A new process of the worker numbers from 1 again, but it registers first, and every
+        way back in (``requeue``, ``reposition``, a rollback) forgets the old number.
         """
         with self._lock:
             last = self._last.get(worker_id)
