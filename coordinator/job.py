@@ -86,6 +86,7 @@ from pstrain.coordinator.model_state import ModelState
 from pstrain.coordinator.plan import Plan
 from pstrain.coordinator.probe import ProbeOutcome, ProbeReport, ProbeSession, ProbeSetup
 from pstrain.protos import pstrain_pb2 as pb
+from pstrain.runtime.model_refusal import MAX_REASON_CHARS
 from pstrain.runtime.shard_map import ShardRange, shard_ranges
 
 log = logging.getLogger(__name__)
@@ -861,6 +862,20 @@ class Job:
                 )
                 self._journal("report", False, report=asdict(stand_in))
                 self._after_record(self.ledger.add(stand_in))
+
+    def refuse_model(self, worker_id: int, reason: str) -> Directive:
+        """A worker cannot train the model, and every member would fail the same way after a restart: fail the
+        job, not retryable, so the units and ``pstrain local`` restart nobody into the same error."""
+        reason = reason.strip()
+        if not reason:
+            raise InvalidRequest("a model refusal must say why the worker cannot train the model (reason is empty)")
+        if len(reason) > MAX_REASON_CHARS:
+            raise InvalidRequest(f"a model refusal's reason has {len(reason)} characters; at most {MAX_REASON_CHARS}")
+        with self._cond:
+            if self.membership.worker(worker_id).failed:
+                return self._replaced_directive(worker_id)
+            self.fail(f"worker {worker_id} cannot train this model: {reason}", retryable=False)
+            return self._directive()
 
     def _after_record(self, record: StepRecord | None) -> None:
         """With the lock held: journal a completed step; the last step's record starts the export."""

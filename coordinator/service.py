@@ -341,6 +341,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return _directive(self.job.report_step(report))
 
     @translate
+    def RefuseModel(self, request: pb.ModelRefusal, context: grpc.ServicerContext) -> pb.Directive:
+        self._require(context, "worker", request.worker_id)
+        return _directive(self.job.refuse_model(request.worker_id, request.reason))
+
+    @translate
     def UploadBuffers(self, request_iterator: Iterator[pb.TensorChunk], context: grpc.ServicerContext) -> pb.Empty:
         if self.registry is not None:
             self.registry.require_any(context.invocation_metadata(), "worker")

@@ -626,6 +626,14 @@ class StepReport(_message.Message):
     nonfinite: bool
     def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., step_s: _Optional[float] = ..., nonfinite: _Optional[bool] = ...) -> None: ...
 
+class ModelRefusal(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    reason: str
+    def __init__(self, worker_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("role", "id", "rss_bytes")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -750,6 +750,11 @@ class CoordinatorStub:
                 request_serializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersRequest.SerializeToString,
                 response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.FromString,
                 _registered_method=True)
+        self.RefuseModel = channel.unary_unary(
+                '/pstrain.v1.Coordinator/RefuseModel',
+                request_serializer=pstrain_dot_protos_dot_pstrain__pb2.ModelRefusal.SerializeToString,
+                response_deserializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -867,6 +872,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RefuseModel(self, request, context):
+        """the job fails, not retryable, naming the worker and why
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -959,6 +971,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FetchSlotBuffers,
                     request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersRequest.FromString,
                     response_serializer=pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.SerializeToString,
+            ),
+            'RefuseModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RefuseModel,
+                    request_deserializer=pstrain_dot_protos_dot_pstrain__pb2.ModelRefusal.FromString,
+                    response_serializer=pstrain_dot_protos_dot_pstrain__pb2.Directive.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1447,6 +1464,33 @@ class Coordinator:
             '/pstrain.v1.Coordinator/FetchSlotBuffers',
             pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersRequest.SerializeToString,
             pstrain_dot_protos_dot_pstrain__pb2.SlotBuffersPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RefuseModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pstrain.v1.Coordinator/RefuseModel',
+            pstrain_dot_protos_dot_pstrain__pb2.ModelRefusal.SerializeToString,
+            pstrain_dot_protos_dot_pstrain__pb2.Directive.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,8 @@
 """The coordinator's job protocol as a plain object: a fake clock, an in-memory exporter."""
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -503,14 +505,24 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc  # noqa: E402
 from pstrain.runtime.transport import open_channel, start_server  # noqa: E402
 
 
-def test_servicer_translates_messages_and_errors(tmp_path):
-    job, _, _, _ = make_job(tmp_path)
+@contextlib.contextmanager
+def served(job: Job) -> Iterator[pb_grpc.CoordinatorStub]:
+    """``job`` behind a real coordinator servicer on an ephemeral port; the job is closed with the server."""
     server = start_server(
         "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
     )
     channel = open_channel(f"127.0.0.1:{server.port}")
-    stub = pb_grpc.CoordinatorStub(channel)
     try:
+        yield pb_grpc.CoordinatorStub(channel)
+    finally:
+        channel.close()
+        server.stop(0)
+        job.close()
+
+
+def test_servicer_translates_messages_and_errors(tmp_path):
+    job, _, _, _ = make_job(tmp_path)
+    with served(job) as stub:
         for i in range(3):
             reply = stub.RegisterParameterServer(pb.RegisterPsRequest(shard_id=i, address=f"127.0.0.1:{5000 + i}"))
             assert (reply.start, reply.end) == (job.shard_ranges[i].start, job.shard_ranges[i].end)
@@ -541,10 +553,6 @@ def test_servicer_translates_messages_and_errors(tmp_path):
             ("worker", 1),
         ]
         assert stub.Heartbeat(pb.HeartbeatRequest(role="worker", id=0)).stop
-    finally:
-        channel.close()
-        server.stop(0)
-        job.close()
 
 
 def test_waiting_for_the_cluster_ends_when_the_caller_is_gone_or_the_coordinator_stops(tmp_path):

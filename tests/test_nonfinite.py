@@ -18,12 +18,9 @@ import torch
 from pstrain.coordinator import job as job_module
 from pstrain.coordinator.job import JobState
 from pstrain.coordinator.ledger import StepRecord, StepReport
-from pstrain.coordinator.service import CoordinatorServicer
 from pstrain.protos import pstrain_pb2 as pb
-from pstrain.protos import pstrain_pb2_grpc as pb_grpc
-from pstrain.runtime.transport import open_channel, start_server
 from tests.helpers import pids_with_marker, run_local, write_job
-from tests.test_job import RAW, make_job, report, start
+from tests.test_job import RAW, make_job, report, served, start
 
 STOP_MESSAGE = "worker 1 computed a non-finite loss or gradient at step 1; fault.on_nonfinite: stop"
 
@@ -137,12 +134,7 @@ def test_a_metrics_line_reads_back_into_its_record():
 
 def test_the_servicer_passes_nonfinite_through_and_reports_skipped_steps(tmp_path):
     job, _, _, _ = make_job(tmp_path, raw={**RAW, "fault": {"on_nonfinite": "skip"}})
-    server = start_server(
-        "127.0.0.1:0", [(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(job))], ["Coordinator"]
-    )
-    channel = open_channel(f"127.0.0.1:{server.port}")
-    stub = pb_grpc.CoordinatorStub(channel)
-    try:
+    with served(job) as stub:
         start(job)
         for worker in range(2):
             step_report = pb.StepReport(worker_id=worker, step=0, loss=math.nan, samples=8, step_s=0.1, nonfinite=True)
@@ -155,10 +147,6 @@ def test_the_servicer_passes_nonfinite_through_and_reports_skipped_steps(tmp_pat
         first, second = next(events), next(events)
         events.cancel()
         assert math.isnan(first.loss) and second.loss == 2.0
-    finally:
-        channel.close()
-        server.stop(0)
-        job.close()
 
 
 # ------------------------------------------------------------------ end to end: pstrain local

@@ -19,6 +19,7 @@ from pstrain.ps_server.local_client import LocalPsClient
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.runtime.buckets import shard_pieces
 from pstrain.runtime.layout import LayoutError, ParamLayout
+from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.runtime.shard_map import shard_ranges
 from pstrain.worker.data_feed import DataFeed
 from pstrain.worker.replicas import MemoryPolicy, ReplicaSet
@@ -134,9 +135,14 @@ def every_leaf(factory: Callable[[], nn.Module], policy: str) -> dict[str, str]:
     return {name: policy for name, m in factory().named_modules() if name and not list(m.children())}
 
 
-def train(factory: Callable[[], nn.Module], memory: MemoryPolicy | None, push_dtype: int = pb.FLOAT32) -> torch.Tensor:
+def train(
+    factory: Callable[[], nn.Module],
+    memory: MemoryPolicy | None,
+    push_dtype: int = pb.FLOAT32,
+    inspect: Callable[[ReplicaSet], None] | None = None,
+) -> torch.Tensor:
     """One worker of ``DEVICES`` CPU devices, per-bucket pushes to two in-memory shards (SGD): the final parameters.
-    ``push_dtype``: the job's ``transport.push_dtype``."""
+    ``push_dtype``: the job's ``transport.push_dtype``; ``inspect`` sees the replicas after training."""
     build = seeded(factory)
     layout = ParamLayout.of(build())
     initial = layout.flatten(build())
@@ -165,6 +171,8 @@ def train(factory: Callable[[], nn.Module], memory: MemoryPolicy | None, push_dt
     trainer = Trainer(0, job, replicas, ps, feed, F.cross_entropy, Reporter(), threading.Event(), NO_WAIT)
     try:
         assert trainer.run() == STEPS
+        if inspect is not None:
+            inspect(replicas)
     finally:
         ps.close(cancel=True)
         replicas.close()
@@ -236,7 +244,7 @@ def test_whole_layer_offload_refuses_tied_parameters_by_name() -> None:
     """``out``'s forward would compute on the host copy of ``emb.weight`` (a device mismatch on a GPU, found only in
     the first forward); the module docstring promised a refusal."""
     layout = ParamLayout.of(Tied())
-    with pytest.raises(LayoutError, match=r"'weight' of module 'out' is also a parameter of module 'emb'"):
+    with pytest.raises(ModelUnsupported, match=r"'weight' of module 'out' is also a parameter of module 'emb'"):
         ReplicaSet(Tied, [torch.device("cpu")], layout, MemoryPolicy({}, offload_params=True))
 
 
@@ -263,7 +271,7 @@ def test_a_parameter_reused_across_reentrant_checkpoints_fails_the_step() -> Non
     """Before, ``a``'s bucket counted as complete at the second checkpoint's backward and was pushed before the
     first one's part was added: on a CPU the sender usually read the buffer late enough, on a GPU the bucket's copy
     to the host starts at once. DDP refuses the same model; so does the pusher now, naming the parameter."""
-    with pytest.raises(RuntimeError, match=r"parameter a\.(weight|bias) got a gradient twice.*use_reentrant=False"):
+    with pytest.raises(ModelUnsupported, match=r"parameter a\.(weight|bias) got a gradient twice.*use_reentrant=False"):
         train(ReentrantTwice, None)
 
 
@@ -409,5 +417,34 @@ def test_a_parameter_read_before_its_bucket_was_loaded_fails_the_step() -> None:
     """Before, the bucket was loaded only after forward: on a GPU forward computed on the previous version, on a CPU
     stand-in on whatever the pull had written of the host buffer by then (seen: 5e-4 off plain PyTorch after 20
     steps, in one run of three). Now the first armed step's backward names the parameter and the way out."""
-    with pytest.raises(RuntimeError, match=r"'head\.inner\.(weight|bias)' was used by forward before.*bucket_bytes: 0"):
+    with pytest.raises(
+        ModelUnsupported, match=r"'head\.inner\.(weight|bias)' was used by forward before.*bucket_bytes: 0"
+    ):
         train(ReadsChildWeight, None)
+
+
+def test_a_root_module_parameter_is_computed_on_its_device_copy_under_whole_layer_offload() -> None:
+    """The root is a layer of its own when it holds parameters. Its layer hook ran before the hook that starts a step,
+    which put the root's parameters back on the host buffer: its forward computed on the host copy, and the freed
+    device copies' addresses, still taken for the parameters', could be reused by an activation that was then saved
+    as a parameter (1 run in 4 off plain PyTorch, ParameterContainers above). Now it computes on its device copy."""
+    read_at: list[int] = []
+
+    class RootParameter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+            self.a = nn.Linear(5, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            read_at.append(self.scale.untyped_storage().data_ptr())
+            return self.a(torch.tanh(x * self.scale))
+
+    host: list[int] = []
+    trained = train(
+        RootParameter,
+        MemoryPolicy({}, offload_params=True),
+        inspect=lambda replicas: host.append(replicas.host_params.untyped_storage().data_ptr()),
+    )
+    assert len(read_at) == DEVICES * STEPS and host[0] not in read_at
+    torch.testing.assert_close(trained, reference(RootParameter), rtol=1e-5, atol=1e-6)

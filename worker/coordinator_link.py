@@ -31,6 +31,7 @@ from pstrain.protos import pstrain_pb2_grpc as pb_grpc
 from pstrain.protos.codec import decode_named_tensors, encode_named_tensors
 from pstrain.runtime.admission import checked_tensor_stream
 from pstrain.runtime.lifecycle import result_unless_stopped
+from pstrain.runtime.model_refusal import MAX_REASON_CHARS
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,17 @@ class CoordinatorLink:
         reply = self._retrying("step report", lambda: self._stub.ReportStep(report, timeout=CONTROL_TIMEOUT_S))
         assert reply is not None
         return reply
+
+    def refuse_model(self, reason: str) -> pb.Directive | None:
+        """Tell the coordinator this worker cannot train the model: it fails the job, not retryable. One try, not
+        gated on ``stop`` (the failed trainer has set it); None when the coordinator could not be told (the worker
+        exits 3 all the same, and the job fails once its heartbeats stop)."""
+        request = pb.ModelRefusal(worker_id=self.worker_id, reason=reason[:MAX_REASON_CHARS])
+        try:
+            return self._stub.RefuseModel(request, timeout=CONTROL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.error("could not tell the coordinator the model is refused: %s: %s", exc.code().name, exc.details())
+            return None
 
     def upload_buffers(self, buffers: dict, chunk_bytes: int) -> None:  # type: ignore[type-arg]
         self._stub.UploadBuffers(encode_named_tensors(buffers, chunk_bytes), timeout=300)

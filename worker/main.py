@@ -7,7 +7,7 @@ blocked pull, cancels the in-flight PS calls and exits 0. A job the coordinator 
 1 when a restart of the cluster may mend it (a member died or restarted; the coordinator was
 lost), so the unit restarts this worker to rejoin, and ``EXIT_JOB_FAILED`` (3) when a restart
 would fail the same way (this worker computed a non-finite loss or gradient under
-``fault.on_nonfinite: stop``).
+``fault.on_nonfinite: stop``, or cannot train the model: ``runtime/model_refusal.py``).
 The skeleton (serve, ready, heartbeat, drain) is ``MemberProcess``; this module is the join.
 """
 
@@ -35,6 +35,7 @@ from pstrain.runtime.member import (
     drain_waits_s,
     join_waits_s,
 )
+from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.runtime.ps_api import Cancelled, PsClientError
 from pstrain.runtime.ps_client import PsClient
 from pstrain.runtime.transport import CONTROL_TIMEOUT_S
@@ -185,6 +186,25 @@ def train(member: MemberProcess, servicer: WorkerServicer, args: argparse.Namesp
         reply.worker_id, job.heartbeat_s, stop_when_job_ends=False, coordinator_timeout_s=job.coordinator_timeout_s
     )
     link.patience_s, link.stop = job.coordinator_timeout_s, member.stop  # ride out a coordinator restart
+    try:
+        return train_registered(member, servicer, args, link, reply, devices)
+    except ModelUnsupported as exc:
+        log.error("%s", exc)
+        directive = link.refuse_model(str(exc))
+        if directive is not None:
+            log.error("the job is %s: %s", pb.JobState.Name(directive.state), directive.reason)
+        return EXIT_JOB_FAILED
+
+
+def train_registered(
+    member: MemberProcess,
+    servicer: WorkerServicer,
+    args: argparse.Namespace,
+    link: CoordinatorLink,
+    reply: pb.RegisterWorkerReply,
+    devices: list[torch.device],
+) -> int:
+    """From the cluster's start to the job's end, as worker ``reply.worker_id``; the exit code."""
     cluster = link.wait_for_cluster(args.cluster_timeout_s)
     job = cluster.job  # final: the probe may have changed the batch and the memory plan
     layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))

@@ -59,6 +59,7 @@ import torch
 
 from pstrain.protos import pstrain_pb2 as pb
 from pstrain.runtime.buckets import Bucket, BucketPlan
+from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.ps_api import RETRYABLE, ParameterServerClient, PullHandle, PushHandle, ShardAck
 
@@ -171,7 +172,7 @@ class BucketPusher:
                 return  # not a training step (the probe, a test's plain forward_backward)
             if param in self._got[device]:  # its bucket may have been counted complete before this part came
                 name = self.names[param] if param < len(self.names) else f"number {param}"
-                raise RuntimeError(
+                raise ModelUnsupported(
                     f"parameter {name} got a gradient twice in one backward on device {device}: a parameter used in "
                     "several reentrant backward passes (torch.utils.checkpoint with use_reentrant=True around a module "
                     "that runs more than once, or around a parameter also used outside it) cannot be pushed as soon "

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pstrain.runtime.layout import LayoutError, ParamLayout
+from pstrain.runtime.layout import ParamLayout
+from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.worker.offload import SwapToHost
 
 
@@ -169,7 +170,7 @@ class ParamOffload:
                     own.update((f"{child_name}.{name}", p) for name, p in child.named_parameters())
             for name, p in own.items():
                 if id(p) in seen:  # tied: the other module's forward would compute on the host copy
-                    raise LayoutError(
+                    raise ModelUnsupported(
                         f"parameter {name!r} of module {module_name!r} is also a parameter of module {seen[id(p)]!r} "
                         "(tied weights): memory.offload_params brings a parameter to the device only for the forward "
                         "of the module it belongs to, so it cannot train a model that shares one between modules"
@@ -189,7 +190,11 @@ class ParamOffload:
             for i, p in enumerate(params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready(layer, i)))
         self._positions = len(position)
-        self._handles.append(self._model.register_forward_pre_hook(self._start_step))
+        # First among the root's pre-hooks: the root is a layer itself when it holds parameters (its own, or a
+        # ParameterList's). After its layer hook, _start_step would put that layer back on the host, so its forward
+        # computed on the host buffer, and the freed device copies' addresses, still in ``layer.saved``, could be
+        # taken by an activation that ``_pack`` then saved as a parameter (seen: 1 run in 4 off plain PyTorch).
+        self._handles.append(self._model.register_forward_pre_hook(self._start_step, prepend=True))
 
     def _view(self, flat: torch.Tensor, position: int) -> torch.Tensor:
         offset, shape = self._layout.offsets[position], self._layout.shapes[position]
@@ -261,6 +266,7 @@ class ParamOffload:
         for p, h in zip(layer.params, layer.host, strict=True):
             p.data = h
         layer.on_device = None
+        layer.saved = {}  # the device copies' addresses are free for other tensors now
 
     # ------------------------------------------------------------------ hooks
 

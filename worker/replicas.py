@@ -26,6 +26,7 @@ import torch
 from pstrain.runtime.buckets import Bucket, BucketPlan
 from pstrain.runtime.factories import LossFn
 from pstrain.runtime.layout import ParamLayout, refuse_frozen
+from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
 from pstrain.worker.param_offload import PARAMETER_CONTAINERS, HostGradSum, ParamOffload, offload_layers
@@ -282,7 +283,7 @@ class ReplicaSet:
         def hook(p: torch.Tensor) -> None:
             assert self._loader is not None and self._pusher is not None
             if self._pusher.plan.bucket_of[param] in self._loader.late[device]:
-                raise RuntimeError(
+                raise ModelUnsupported(
                     f"parameter {self.layout.names[param]!r} was used by forward before its new version was loaded: "
                     "its bucket is loaded just before the first module that owns it (or one above it that has "
                     "parameters of its own) runs, and no such module ran (a module reading a child's weight without "
