@@ -39,6 +39,10 @@ class CheckpointMismatch(ValueError):
     """The checkpoint directory holds checkpoints of a different job file or cluster shape."""
 
 
+class ManifestDamaged(ValueError):
+    """A manifest file that cannot be read back (truncated or edited by hand)."""
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A committed checkpoint: the step every shard has durably written, and what it belongs to."""
@@ -179,20 +183,36 @@ def committed_steps(directory: Path) -> list[int]:
 
 
 def read_manifest(directory: Path, step: int) -> Manifest:
-    data = json.loads(manifest_path(directory, step).read_text())
-    return Manifest(**data)
+    """Raises ``ManifestDamaged`` for a manifest that is not one (truncated, edited, of an unknown layout)."""
+    path = manifest_path(directory, step)
+    try:
+        data = json.loads(path.read_bytes())
+        return Manifest(**data)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError, not UTF-8, not an object, missing or unknown keys
+        raise ManifestDamaged(f"{path} is not a readable manifest: {exc}") from exc
+
+
+def _newest_readable(directory: Path, steps: list[int]) -> Manifest | None:
+    """The newest of ``steps`` whose manifest reads; a damaged one is logged and set aside (``.damaged``), so
+    the job resumes from the previous committed checkpoint and no ledger or prune counts it as committed."""
+    for step in reversed(steps):
+        try:
+            return read_manifest(directory, step)
+        except ManifestDamaged as exc:
+            aside = manifest_path(directory, step).with_name(f"{manifest_path(directory, step).name}.damaged")
+            manifest_path(directory, step).replace(aside)
+            log.error("%s; moved to %s, falling back to the previous committed checkpoint", exc, aside.name)
+    return None
 
 
 def newest_manifest(directory: Path, identity: JobIdentity) -> Manifest | None:
-    """The newest committed checkpoint of this job file, None if there is none.
+    """The newest readable committed checkpoint of this job file, None if there is none.
 
     Raises ``CheckpointMismatch`` when the newest one belongs to another job file.
     """
-    steps = committed_steps(directory)
-    if not steps:
-        return None
-    manifest = read_manifest(directory, steps[-1])
-    identity.check(manifest, directory)
+    manifest = _newest_readable(directory, committed_steps(directory))
+    if manifest is not None:
+        identity.check(manifest, directory)
     return manifest
 
 
@@ -301,13 +321,14 @@ def resume_point(
         discard(directory)
         return None
     earlier = [s for s in committed_steps(directory) if s < steps]
-    if not earlier:
+    resume = _newest_readable(directory, earlier)
+    if resume is None:
         discard(directory)
         return None
-    log.info("the run reached step %d but its model was not written; resuming from step %d", manifest.step, earlier[-1])
+    log.info("the run reached step %d but its model was not written; resuming from step %d", manifest.step, resume.step)
     # The later manifests go: the ledger would count them as committed (so this run would commit nothing), and the
     # shards, told of them, would delete the files of the steps this run writes and resumes from.
-    for later in [s for s in committed_steps(directory) if s > earlier[-1]]:
+    for later in [s for s in committed_steps(directory) if s > resume.step]:
         manifest_path(directory, later).unlink(missing_ok=True)
     prune_buffers(directory, committed_steps(directory))
-    return read_manifest(directory, earlier[-1])
+    return resume

@@ -196,10 +196,12 @@ class Job:
         min_workers: int | None = None,
         set_ps_workers: SetPsWorkers | None = None,
         resume_workers: list[int] | None = None,
+        job_hash: str = "",
     ) -> None:
         if not 0 <= start_step < plan.steps:
             raise ValueError(f"start step {start_step} is outside the job's steps 0..{plan.steps - 1}")
         self.job_id = job_id
+        self.job_hash = job_hash  # the job file's (JobIdentity.digest): a restart takes the journal back only with it
         self.failure_retryable = True  # meaningful once FAILED: would a restart help?
         self.resume_step = start_step  # > 0: PS shards load this committed checkpoint instead of the initial weights
         self._checkpoints = checkpoints
@@ -418,6 +420,7 @@ class Job:
     def _job_fields(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
+            "job_hash": self.job_hash,
             "per_device_batch": self.plan.per_device_batch,
             "start_step": self._start_step,
             "completed": self.ledger.completed,

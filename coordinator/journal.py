@@ -8,7 +8,8 @@ compacted when a checkpoint commits: what came before is in the manifest, so the
 again from a ``checkpoint`` line.
 
 Each line is ``{"t": <unix s>, "event": <name>, ...fields}``. A line torn by a crash mid-write is
-skipped by ``read_journal``. Thread-safe: one lock around each append.
+skipped by ``read_journal``; a damaged line before the last makes the journal unusable (a rollback), and an
+append that failed (disk full) is cut off again. Thread-safe: one lock around each append.
 
 A restarted coordinator reads it back (``recovery``): the compaction writes a ``snapshot`` of the
 job's state after the ``checkpoint`` line (members, credential incarnations, the data-shard
@@ -27,13 +28,14 @@ checkpoint commits, a final one is retrained from the previous), never commit a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pstrain.runtime.atomic_io import atomic_write
 
@@ -61,18 +63,36 @@ class Journal:
         self._fsync = fsync
         self._lock = threading.Lock()
         _drop_torn_tail(path)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._file = self._open("ab")
+
+    def _open(self, mode: str) -> IO[Any]:
+        """Unbuffered: an append that failed (disk full) must leave nothing behind to be written by the next one.
+        A journal this call creates has its directory entry fsynced, else a power loss can take the whole file
+        after its events were reported durable."""
+        created = not self.path.exists()
+        handle = open(self.path, mode, buffering=0)  # noqa: SIM115 - closed in close()
+        if created and self._fsync:
+            _fsync_dir(self.path.parent)
+        return handle
 
     def append(self, event: str, durable: bool = True, **fields: Any) -> None:
-        """Write one event (append, flush, and with ``durable`` fsync) before the decision takes effect outside."""
+        """Write one event (append, flush, and with ``durable`` fsync) before the decision takes effect outside.
+
+        A failed write (``ENOSPC``) raises and is cut off again: the caller was told the decision failed, so a
+        later append must not complete it, nor append after half a line (a replay refuses a damaged line)."""
         line = json.dumps({"t": round(time.time(), 6), "event": event, **fields}, separators=(",", ":"))
         with self._lock:
             if self._file.closed:
                 return
-            self._file.write(line + "\n")
-            self._file.flush()
-            if self._fsync and durable:
-                os.fsync(self._file.fileno())
+            fd = self._file.fileno()
+            end = os.fstat(fd).st_size
+            try:
+                _write_all(fd, (line + "\n").encode())
+                if self._fsync and durable:
+                    os.fsync(fd)
+            except OSError:
+                _truncate_quietly(fd, end)
+                raise
 
     def compact(self, step: int, snapshot: dict[str, Any] | None = None) -> None:
         """Checkpoint ``step`` committed: replace the journal by a ``checkpoint`` line and, given one, the
@@ -86,18 +106,42 @@ class Journal:
             if self._file.closed:
                 return
             self._file.close()
-            atomic_write(self.path, lambda fh: fh.write(text.encode()))
-            self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            try:
+                atomic_write(self.path, lambda fh: fh.write(text.encode()))
+            finally:  # failed (disk full): the old journal is whole and later events must still reach it
+                self._file = self._open("ab")
 
     def reset(self) -> None:
         """A new job (not a recovered one): the previous job's events go."""
         with self._lock:
             self._file.close()
-            self._file = open(self.path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+            self._file = self._open("wb")
+            if self._fsync:  # else a power loss can bring the previous job's events back for a restart to replay
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _truncate_quietly(fd: int, size: int) -> None:
+    """Best effort: if even this fails, the next start cuts a torn last line, and a replay refuses a damaged one."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, size)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -111,14 +155,31 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
-    """Every complete event of a journal, oldest first; a torn last line is skipped."""
+    """Every complete event of a journal, oldest first; a torn last line is skipped.
+
+    Only the last line can be torn (a crash mid-append): one before it that is not an event means the file was
+    damaged, and replaying around it would silently lose a decision (a credential, a completed data shard), so
+    it raises ``JournalUnusable`` naming the line."""
+    lines = path.read_bytes().split(b"\n")
+    tail = _event(lines.pop())  # after the last newline: nothing, or a line a crash tore
     events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
+    for number, line in enumerate(lines, 1):
+        event = _event(line)
+        if event is None:
+            raise JournalUnusable(
+                f"{path}: line {number} of {len(lines)} is not a complete event ({bytes(line[:60])!r}); "
+                f"the journal was damaged, so the job resumes from its last committed checkpoint"
+            )
+        events.append(event)
+    return events if tail is None else [*events, tail]
+
+
+def _event(line: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(line)
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        return None
+    return event if isinstance(event, dict) and isinstance(event.get("event"), str) else None
 
 
 @dataclass(frozen=True)
@@ -142,11 +203,13 @@ class Recovery:
     worker_host_bytes: int = 0
 
 
-def recovery(path: Path) -> Recovery:
+def recovery(path: Path, job_hash: str = "") -> Recovery:
     """The job as its journal left it; ``JournalUnusable`` when it cannot be continued from it.
 
     Events are taken in order: a ``snapshot`` (the compaction's) sets every part anew, and each
-    later event changes it; ``job_started``, written when training began, names the job.
+    later event changes it; ``job_started``, written when training began, names the job. Given the
+    ``job_hash`` of the job file now, a journal whose job records another is refused: its decisions were
+    made for another model, data or optimizer (a journal that records none, an older one, is taken).
     """
     if not path.exists():
         raise JournalUnusable(f"no journal at {path}")
@@ -195,6 +258,12 @@ def recovery(path: Path) -> Recovery:
         raise JournalUnusable("the journal holds no running job (the coordinator died before training began)")
     if not members:
         raise JournalUnusable("the journal names no members")
+    recorded = job.get("job_hash", "")
+    if job_hash and recorded and recorded != job_hash:
+        raise JournalUnusable(
+            f"the journal's job {job.get('job_id')} was started from another job file (hash {recorded}, this one "
+            f"{job_hash}); restore that job file to take the job back"
+        )
     return Recovery(
         job_id=job["job_id"],
         per_device_batch=job["per_device_batch"],

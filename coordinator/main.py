@@ -105,14 +105,15 @@ def job_keys(out_dir: Path | None, recovered: bool) -> MemberKeys:
     return keys
 
 
-def journal_recovery(out_dir: Path | None) -> Recovery | None:
-    """The job as the journal left it, if it can be taken back; None (and why, logged) otherwise."""
+def journal_recovery(out_dir: Path | None, job_hash: str = "") -> Recovery | None:
+    """The job as the journal left it, if it can be taken back (and was started from the job file whose hash is
+    ``job_hash``); None (and why, logged) otherwise."""
     if out_dir is None:
         return None
     try:
         if not (out_dir / KEY_NAME).exists():
             raise JournalUnusable(f"no {KEY_NAME}: the members' credentials could not be checked")
-        return recovery(out_dir / JOURNAL_NAME)
+        return recovery(out_dir / JOURNAL_NAME, job_hash)
     except (JournalUnusable, OSError, KeyError, TypeError, ValueError) as exc:
         if (out_dir / JOURNAL_NAME).exists():
             log.warning("not taking the job back from its journal (%s); resuming from the last checkpoint", exc)
@@ -139,7 +140,7 @@ def build_job(
     """Everything the coordinator knows before the first member calls, resumed from a checkpoint if any;
     with ``recover``, the running job taken back from the journal when it can be (``Job.recovered``);
     ``colocated``: every member runs on this host (``plan_job``)."""
-    taken_back = journal_recovery(out_dir) if recover and not fresh else None
+    taken_back = journal_recovery(out_dir, JobIdentity.of(cfg).digest) if recover and not fresh else None
     if taken_back is not None:
         try:
             return _build_job(cfg, out_dir, security, fresh, taken_back, colocated)
@@ -244,6 +245,7 @@ def _build_job(
         set_ps_workers=ps_worker_setter(security),
         recovery=taken_back,
         resume_workers=resume.worker_ids if resume is not None else None,
+        job_hash=identity.digest,
     )
 
 
