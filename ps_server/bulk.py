@@ -60,6 +60,7 @@ from pstrain.runtime.bulk_socket import (
     NONCE_BYTES,
     TICKET_BYTES,
     byte_view,
+    readable,
     receive_exactly,
     send_all,
     tune,
@@ -101,7 +102,15 @@ class BulkSocket:
         return (self.worker_id, self.incarnation)
 
     def receive(self, into: torch.Tensor, timeout_s: float) -> None:
+        """Read exactly ``into``'s bytes; a peer that sent more than its header's size is refused before the shard
+        sees the payload: the surplus would otherwise lie on the socket and open its next payload, shifting it."""
         self._move(receive_exactly, byte_view(into), timeout_s)  # the staging buffer: contiguous
+        if _surplus(self.sock):
+            self.moved = False  # the socket is closed with the call: its surplus goes with it
+            raise InvalidArgument(
+                f"the bulk socket carried more than the header's {into.numel()} elements "
+                f"({into.numel() * into.element_size()} bytes); send exactly the header's numel"
+            )
 
     def send(self, tensor: torch.Tensor, timeout_s: float) -> None:
         self._move(send_all, byte_view(tensor), timeout_s)
@@ -230,7 +239,9 @@ class BulkSockets:
         keeps its end only after a call that succeeded, so both ends agree."""
         with self._lock:
             self._busy.pop(bulk.ticket, None)
-            if keep and not self._closed and bulk.owner in self._of_owner:  # not a retired incarnation's
+            # Not a retired incarnation's, nor one with anything to read: before the reply, its client sends nothing
+            # more, so what is there is a surplus or the peer's close, and the next call would read it as payload.
+            if keep and not self._closed and bulk.owner in self._of_owner and not readable(bulk.sock):
                 self._idle[bulk.ticket] = bulk
                 return
             self._uncount_locked(bulk.owner)
@@ -361,6 +372,16 @@ def _listen(host: str, port: int) -> socket.socket:
         host = ""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family)
+
+
+def _surplus(sock: socket.socket) -> bool:
+    """Bytes past the payload are waiting (a peer's close right after a whole payload is no surplus)."""
+    if not readable(sock):
+        return False
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))  # readable: returns at once
+    except OSError:  # reset: the payload came whole, the socket is closed with the call anyway
+        return False
 
 
 def _shut(sock: socket.socket) -> None:

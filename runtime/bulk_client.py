@@ -5,13 +5,14 @@ takes one for itself, names its ticket in the gRPC header and moves the payload 
 (``sendall`` from the tensor, ``recv_into`` the destination: no user-space copy). A socket goes
 back to the pool only if the call went through whole; otherwise it is closed (the shard closes
 its end too). A shard that refuses (TLS channel, bulk off, an older shard) is streamed to over gRPC from then
-on. One whose bulk port cannot be reached (a firewall that drops it, a restarted shard) is
+on. One whose bulk port cannot be reached (a firewall that drops it, a shard that is down) is
 streamed to for ``RETRY_AFTER_S`` and then tried again: only one call per shard pays the
 connect timeout for each try (the others stream meanwhile), and each failed try logs one
 warning naming the shard and its port. A port that takes the connection but closes the handshake
-(a shard restarted on its fixed port: the cached nonce is stale) is asked ``OpenBulk`` again once
-first. A client holds at most ``MAX_SOCKETS_PER_WORKER`` sockets per shard (the shard's own cap);
-a call beyond streams.
+(a shard restarted on its fixed port: the cached nonce is stale), or refuses the connection (a shard
+restarted on an ephemeral port: the cached port is stale), is asked ``OpenBulk`` again once first.
+A client holds at most ``MAX_SOCKETS_PER_WORKER`` sockets per shard (the shard's own cap); a call
+beyond streams.
 
 The socket connects to the host of the shard's gRPC address (the one the shard registered,
 ``--advertise-host``) at the port ``OpenBulk`` names (``--bulk-port``).
@@ -37,6 +38,7 @@ from pstrain.runtime.bulk_socket import (
     NONCE_BYTES,
     TICKET_BYTES,
     byte_view,
+    readable,
     receive_exactly,
     send_all,
     tune,
@@ -66,17 +68,24 @@ class ClientSocket:
     shard_id: int = -1
 
     def send(self, tensor: torch.Tensor, timeout_s: float) -> bool:
-        """Write the tensor's bytes; False if the socket failed (the call's status says why)."""
-        try:
-            send_all(self.sock, byte_view(tensor.contiguous()), timeout_s)
-        except OSError:
-            return False
-        return True
+        """Write the tensor's bytes; False if the socket failed (the call's status says why) or the tensor cannot be
+        sent from its memory (not on the CPU: the shard aborts the call and the stream refuses the tensor)."""
+        return self._move(send_all, lambda: byte_view(tensor.contiguous()), timeout_s)
 
     def receive(self, into: torch.Tensor, timeout_s: float) -> bool:
+        """Fill ``into``; False as for ``send``."""
+        return self._move(receive_exactly, lambda: byte_view(into), timeout_s)
+
+    def _move(
+        self, how: Callable[[socket.socket, memoryview, float], None], view: Callable[[], memoryview], timeout_s: float
+    ) -> bool:
+        """On failure the socket is shut at once: the call is already under way, and the shard would otherwise wait
+        its whole push or pull timeout for the payload (or to send it), holding a thread, a slot and the socket."""
         try:
-            receive_exactly(self.sock, byte_view(into), timeout_s)
-        except OSError:
+            how(self.sock, view(), timeout_s)
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
             return False
         return True
 
@@ -131,10 +140,9 @@ class BulkClient:
                 worker_id = self._worker.get(shard_id)
                 if worker_id is None:  # nobody pushed through this client yet (the coordinator's export)
                     return None
-            idle = self._idle.setdefault(shard_id, [])
-            for i, s in enumerate(idle):
-                if s.worker_id == worker_id:
-                    return idle.pop(i)
+            found = self._idle_locked(shard_id, worker_id)
+            if found is not None:
+                return found
             if self._held.get(shard_id, 0) >= MAX_SOCKETS_PER_WORKER:  # the shard would refuse one more: stream
                 return None
             probing = shard_id not in self._reached
@@ -154,6 +162,20 @@ class BulkClient:
                     self._trying.discard(shard_id)
                 if opened is None:
                     self._held[shard_id] -= 1
+
+    def _idle_locked(self, shard_id: int, worker_id: int) -> ClientSocket | None:
+        """An idle socket of ``worker_id`` that the shard has not closed; those it has are closed here too.
+
+        An idle socket has nothing to read unless the shard closed its end (it restarted, retired or reaped it):
+        used, it would cost a call that fails and a payload sent twice, once into it and once streamed."""
+        idle = self._idle.setdefault(shard_id, [])
+        for s in [s for s in idle if s.worker_id == worker_id]:
+            idle.remove(s)
+            if not readable(s.sock):
+                return s
+            self._held[shard_id] -= 1
+            s.sock.close()  # its peer has closed: no wait
+        return None
 
     def checkin(self, shard_id: int, s: ClientSocket) -> None:
         with self._lock:
@@ -179,7 +201,9 @@ class BulkClient:
 
     def _open(self, shard_id: int, worker_id: int, grant: pb.BulkGrant | None) -> ClientSocket | None:
         """Connect with the cached grant, or a fresh one. A handshake the port rejects with a cached grant (a shard
-        restarted on its fixed port: a new nonce) asks ``OpenBulk`` again once before the port counts as unreachable.
+        restarted on its fixed port: a new nonce), or a port that refuses the connection (a shard restarted on an
+        ephemeral port, ``--bulk-port 0``: a new port), asks ``OpenBulk`` again once before the port counts as
+        unreachable; a port that does not answer (a firewall that drops it) is not asked twice.
         """
         for cached in (grant is not None, False):
             if grant is None:
@@ -188,7 +212,7 @@ class BulkClient:
                     return None
             try:
                 s = self._connect(shard_id, worker_id, grant)
-            except HandshakeRejected as exc:
+            except (HandshakeRejected, ConnectionRefusedError) as exc:  # a new nonce, or a new (ephemeral) port
                 if cached:
                     with self._lock:
                         self._grants.pop((shard_id, worker_id), None)

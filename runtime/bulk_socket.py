@@ -7,6 +7,7 @@ byte order), written from and read into the tensors' own memory.
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 
@@ -54,3 +55,14 @@ def send_all(sock: socket.socket, view: memoryview, timeout_s: float) -> None:
     deadline already past is a timeout (``TimeoutError``), never a ``ValueError``."""
     sock.settimeout(max(MIN_TIMEOUT_S, timeout_s))
     sock.sendall(view)
+
+
+def readable(sock: socket.socket) -> bool:
+    """The peer sent something (bytes, or its close) that no call has asked for yet; never blocks. Between calls
+    neither end sends anything, so on a pooled socket this means a surplus or a close: not a socket to reuse."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+    except ValueError:  # closed already: nothing to reuse
+        return True
+    return bool(poller.poll(0))
