@@ -343,6 +343,9 @@ class ParameterServerServicer:
     def _check_shared(self, request: pb.ShmRequest, context: grpc.aio.ServicerContext) -> SharedRegions:
         self._addressed(request.shard_id, "shared memory")
         self._require_worker(context, request.worker_id)  # a peer without the worker's credential never gets a handle
+        workers = self.shard.workers
+        if not 0 <= request.worker_id < workers:  # without credentials any id passes above: each pair holds memory
+            raise UnknownWorker(f"unknown worker {request.worker_id}: this job has workers 0..{workers - 1}")
         return self.regions
 
     @translate

@@ -9,9 +9,10 @@ server stopping) and when the worker closes its client. Only callers on this hos
 
 Names do not outlive their use: the first push or pull that echoes the nonce proves the worker
 has mapped both regions (it maps both before using either), so the shard unlinks both names
-then. From there the memory lives exactly as long as the two mappings, and a process killed
-with SIGKILL leaks nothing in ``/dev/shm``; only a pair that was opened and never used waits
-for ``release``, a re-open, ``close`` or the interpreter's exit (``shm_region``'s atexit hook).
+then; a current client has already unlinked them itself, right after mapping both. From there
+the memory lives exactly as long as the two mappings, and a process killed with SIGKILL leaks
+nothing in ``/dev/shm``; only a pair that was opened and never mapped waits for ``release``, a
+re-open, ``close`` or the interpreter's exit (``shm_region``'s atexit hook).
 
 Push: ``ParameterShard.push`` keeps nothing it is given once it returns (the first contribution
 of a step is copied into the shard's accumulator, the next in order added to it, one that arrives

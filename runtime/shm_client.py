@@ -3,9 +3,11 @@
 Negotiated once per shard connection, lazily, by the first push for a worker (pulls do not name
 a worker): only for a shard whose address is this host, only if the shard grants a pair of
 regions (it checks the worker's credential and that the peer is local), and only if both map and
-hold the nonce the shard announced. Any failure there means "stream", never an error: the push
-that follows streams and meets the same checks (a peer without the credential is refused by the
-push itself). A shard that later refuses the regions (ABORTED: it replaced or dropped them) turns
+hold the nonce the shard announced. Once both are mapped the client unlinks their names in
+``/dev/shm`` itself (the mappings keep the memory), so that no later crash of either process can
+leave them behind. Any failure there means "stream", never an error: the push that follows
+streams and meets the same checks (a peer without the credential is refused by the push itself).
+A shard that later refuses the regions (ABORTED: it replaced or dropped them) turns
 them off for that shard, and the call is streamed instead.
 
 Pushes for a worker other than the regions' own, and pulls before the first push, stream.
@@ -18,7 +20,9 @@ piece into the pull region.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +40,11 @@ from pstrain.runtime.shm_region import Region, ShmError
 log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 10.0
+# The shard reserves every page of both regions before it answers (``shm_region.create``): about 2 GiB/s on an idle
+# host, less with every colocated worker opening at once. A fixed deadline made the workers of a big shard give up,
+# stream for the whole job, and leave the shard holding the pair it went on to make; the open's deadline grows with
+# the bytes to reserve at this (slow) rate.
+OPEN_RESERVE_BYTES_PER_S = 128 * 2**20
 _OFF = "off"
 
 
@@ -182,8 +191,11 @@ class SharedMemory:
         host = self._addresses[shard_id].rpartition(":")[0]
         if not shm_region.is_local_host(host):
             return _OFF
+        numel = self._ranges[shard_id].numel
         try:
-            reply = self._opens[shard_id](pb.ShmRequest(shard_id=shard_id, worker_id=worker_id), timeout=OPEN_TIMEOUT_S)
+            reply = self._opens[shard_id](
+                pb.ShmRequest(shard_id=shard_id, worker_id=worker_id), timeout=open_timeout_s(numel)
+            )
         except grpc.RpcError as exc:  # an older shard (UNIMPLEMENTED), a refusal: stream
             log.info("shard %d offers no shared memory (%s): streaming", shard_id, exc.code())
             return _OFF
@@ -198,6 +210,8 @@ class SharedMemory:
             except ShmError:
                 push.close()
                 raise
+            for region in (push, pull):
+                _drop_name(region.path)
         except ShmError as exc:  # not this host's /dev/shm after all: the shard may drop the regions now
             log.info("shard %d: %s; streaming", shard_id, exc)
             self._release(shard_id, worker_id)
@@ -218,3 +232,19 @@ class SharedMemory:
             "; its push region is page-locked for device copies" if pinned else "",
         )
         return MappedPair(worker_id, reply.nonce, push, pull, board, pinned)
+
+
+def open_timeout_s(numel: int) -> float:
+    """The deadline of a shard's ``OpenSharedMemory`` for a shard of ``numel`` elements: two float32 regions."""
+    return OPEN_TIMEOUT_S + 2 * 4 * numel / OPEN_RESERVE_BYTES_PER_S
+
+
+def _drop_name(path: str) -> None:
+    """Unlink a region's name once this worker has mapped it (the mapping keeps the memory): the shard would only
+    unlink it at the first push or pull it reads, so a shard SIGKILLed before that (or whose worker died or was
+    refused first) left the file in /dev/shm until reboot. A name this user may not unlink is left to the shard."""
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.info("cannot unlink the mapped region %s (the shard unlinks it at its first use): %s", path, exc)
