@@ -6,7 +6,8 @@ Backward consumes saved tensors in reverse order, so when it asks for tensor ``i
 also starts copying ``i-1 … i-prefetch`` back on the side stream: the GPU rarely waits for a
 copy it could have had earlier (``torch.autograd.graph.save_on_cpu`` neither overlaps nor
 prefetches). Pinned host memory is capped; past the cap the hook falls back to pageable
-memory deliberately, with one warning. On a CPU "device" the very same code runs (the copies
+memory deliberately, with one warning. A host copy lives as long as the graph that saved it (freed when
+backward frees the graph, kept for a retained one). On a CPU "device" the very same code runs (the copies
 are host-to-host), so CI exercises it.
 """
 
@@ -31,20 +32,38 @@ DEFAULT_PINNED_LIMIT_BYTES = 4 << 30
 _Key = tuple[torch.device, int, int, tuple[int, ...], tuple[int, ...], torch.dtype, int]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Saved:
     host: torch.Tensor
     device: torch.device
     on_device: torch.Tensor | None = None  # the original until its copy is done, or the prefetched copy
     ready: torch.cuda.Event | None = None
-    uses: int = 1  # how many saved slots refer to this tensor; it stays until the last is unpacked
+    uses: int = 1  # how many saved slots refer to this tensor: each backward unpacks every one of them once
+    left: int = 1  # slots this backward has yet to unpack; the device copy stays until the last
+    done: bool = False  # this backward unpacked every slot: not prefetched again (a retained graph's next one may)
+    expanded: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # shape, stride over the copied span (_reach)
+
+
+@dataclass(frozen=True, eq=False)
+class _Handle:
+    """What autograd holds for a swapped tensor.
+
+    The host copy lives exactly as long as the graph's saved slots do: freed when backward frees the graph
+    (held past it, pinned host memory sat idle through the gradient push and the next forward until that
+    forward's ``reset``), kept for a graph retained for another backward. ``step`` is the forward's own list,
+    so a graph still alive after ``reset`` prefetches its own tensors, not the next forward's.
+    """
+
+    entry: _Saved
+    step: list[weakref.ref[_Saved]]
+    index: int
 
 
 @dataclass(frozen=True)
 class _View:
     """A saved tensor that is a view of a swapped one (a 3-D input a Linear reshapes to 2-D, a flatten)."""
 
-    index: int
+    handle: _Handle
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -71,7 +90,7 @@ class SwapToHost:
     stats: OffloadStats = field(default_factory=OffloadStats)
 
     def __post_init__(self) -> None:
-        self._saved: list[_Saved] = []
+        self._saved: list[weakref.ref[_Saved]] = []  # this forward's swapped tensors, alive while its graph is
         # Dedupe of a tensor saved twice. A hit counts only while the first tensor is alive: once
         # it is freed, the allocator may give its address to a new tensor of the same shape.
         self._by_key: dict[_Key, tuple[int, Any]] = {}
@@ -109,7 +128,7 @@ class SwapToHost:
 
     def reset(self) -> None:
         """Forget the last step's tensors; call before each forward."""
-        self._saved.clear()
+        self._saved = []  # a new list: a graph of an earlier forward that is still alive keeps its own
         self._by_key.clear()
         self._whole.clear()
         self._in_flight.clear()
@@ -125,7 +144,7 @@ class SwapToHost:
         shape, stride = tuple(tensor.shape), tuple(tensor.stride())
         return tensor.device, storage_ptr, int(tensor.storage_offset()), shape, stride, tensor.dtype, tensor._version
 
-    def _shared(self, tensor: torch.Tensor) -> int | _View | None:
+    def _shared(self, tensor: torch.Tensor) -> _Handle | _View | None:
         """The live tensor already on its way to the host that ``tensor`` is, or views, counted once more.
 
         A hit counts only while the swapped tensor is alive: once it is freed, the allocator may give
@@ -135,13 +154,25 @@ class SwapToHost:
             return None
         hit = self._by_key.get(self._key(tensor))
         if hit is not None and hit[1]() is not None:
-            self._saved[hit[0]].uses += 1
-            return hit[0]
+            handle = self._use_again(hit[0])
+            if handle is not None:
+                return handle
         whole = self._whole.get((tensor.device, tensor.untyped_storage().data_ptr(), tensor.dtype))
         if whole is None or whole[1]() is not _root(tensor) or whole[2] != tensor._version:
             return None  # not a view of it (an alias made with ``set_``), or it changed in place since
-        self._saved[whole[0]].uses += 1
-        return _View(whole[0], int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
+        handle = self._use_again(whole[0])
+        if handle is None:
+            return None
+        return _View(handle, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
+
+    def _use_again(self, index: int) -> _Handle | None:
+        """One more slot on swapped tensor ``index``; None if the graph that saved it is gone (its copy with it)."""
+        entry = self._saved[index]()
+        if entry is None:
+            return None
+        entry.uses += 1
+        entry.left += 1
+        return _Handle(entry, self._saved, index)
 
     def take(self, tensor: torch.Tensor) -> Any:
         """``pack`` inside a swap layer's forward, ``follow`` outside: for hooks that sit inside both."""
@@ -169,23 +200,25 @@ class SwapToHost:
         shared = self._shared(tensor)  # the same live tensor (or a view of it) saved twice: one copy
         if shared is not None:
             return shared
-        host = self._host_buffer(tensor)
-        entry = _Saved(host, tensor.device)
+        source, expanded = _reach(tensor)
+        copied = source.numel() * source.element_size()
+        host = self._host_buffer(source)
+        entry = _Saved(host, tensor.device, expanded=expanded)
         if tensor.device.type == "cuda":
             stream = self._side_stream(tensor.device)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
-                host.copy_(tensor, non_blocking=True)
+                host.copy_(source, non_blocking=True)
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(stream)
             tensor.record_stream(stream)
-            entry.on_device = tensor  # held until the copy is known to be done
+            entry.on_device = source  # held until the copy is known to be done
             self._in_flight.append(entry)
-            self._track(nbytes)
+            self._track(copied)
         else:
-            host.copy_(tensor)
-        self.stats.swapped_out_bytes += nbytes
-        self._saved.append(entry)
+            host.copy_(source)
+        self.stats.swapped_out_bytes += copied
+        self._saved.append(weakref.ref(entry))
         index = len(self._saved) - 1
         if _shareable(tensor):  # a conjugate copy must not stand in for the tensor it views, nor the reverse
             self._by_key[self._key(tensor)] = (index, weakref.ref(tensor))
@@ -193,7 +226,7 @@ class SwapToHost:
                 where = (tensor.device, storage.data_ptr(), tensor.dtype)
                 self._whole[where] = (index, weakref.ref(_root(tensor)), tensor._version)
         self._release_finished_copies()
-        return index
+        return _Handle(entry, self._saved, index)
 
     def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
@@ -209,6 +242,8 @@ class SwapToHost:
                 )
         if pin:
             self._pinned_bytes += nbytes
+        if _dense(tensor):  # laid out as the original: a kernel given other strides may round differently
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, pin_memory=pin)
         return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
 
     def _release_finished_copies(self, wait: bool = False) -> None:
@@ -230,25 +265,33 @@ class SwapToHost:
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, _View):  # the swapped tensor covered its storage: its copy is laid out the same
-            return self.unpack(packed.index).as_strided(packed.shape, packed.stride, packed.offset)
+            return self.unpack(packed.handle).as_strided(packed.shape, packed.stride, packed.offset)
         if self._in_forward:
             self._in_forward = False
             self.stats.forward_peak_resident_bytes = self.stats.peak_resident_bytes
             self._release_finished_copies(wait=True)  # forward is over: every copy must land
-        entry = self._saved[packed]
+        entry = packed.entry
+        if entry.done:  # a retained graph's next backward: every slot is unpacked once more
+            entry.done = False
         tensor = self._bring_back(entry)
-        for ahead in range(packed - 1, max(-1, packed - 1 - self.prefetch), -1):
-            if self._saved[ahead].on_device is None:
-                self._bring_back(self._saved[ahead], prefetch=True)
+        for ahead in range(packed.index - 1, max(-1, packed.index - 1 - self.prefetch), -1):
+            earlier = packed.step[ahead]()
+            # not one this backward is done with: nothing would let go of its device copy until the next step
+            if earlier is not None and earlier.on_device is None and not earlier.done:
+                self._bring_back(earlier, prefetch=True)
         if entry.ready is not None:
             torch.cuda.current_stream(entry.device).wait_event(entry.ready)
             tensor.record_stream(torch.cuda.current_stream(entry.device))
-        entry.uses -= 1
-        if entry.uses == 0:
+        entry.left -= 1
+        if entry.left == 0:
             entry.on_device = None  # autograd owns it now; it is freed after this node's backward
+            entry.left, entry.done = entry.uses, True
             if entry.device.type == "cuda":
                 self._track(-tensor.numel() * tensor.element_size())
-        return tensor
+        if entry.expanded is None:
+            return tensor
+        shape, stride = entry.expanded
+        return tensor.as_strided(shape, stride, tensor.storage_offset())
 
     def _bring_back(self, entry: _Saved, prefetch: bool = False) -> torch.Tensor:
         if entry.on_device is not None:
@@ -288,6 +331,30 @@ def _shareable(tensor: torch.Tensor) -> bool:
     the storage), nor is an empty tensor (address 0, whatever it was cut from).
     """
     return tensor.layout == torch.strided and tensor.numel() > 0 and not tensor.is_conj() and not tensor.is_neg()
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of its storage once each (any dimension order): a host buffer
+    with its strides holds exactly its elements. An expanded or overlapping tensor is copied contiguous."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride(), strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _reach(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, ...], tuple[int, ...]] | None]:
+    """What to copy for ``tensor``, and the shape and stride that rebuild it from that copy (None: it is itself).
+
+    An expanded tensor (a mask broadcast over the batch and heads, a gather index over the features) repeats
+    a few elements many times: copying its elements one by one made host and device copies as large as the
+    activation it masks, where autograd alone keeps the few. Its storage span is copied instead.
+    """
+    span = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+    if tensor.numel() == 0 or span >= tensor.numel():
+        return tensor, None
+    return tensor.as_strided((span,), (1,)), (tuple(tensor.shape), tuple(tensor.stride()))
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
