@@ -171,6 +171,8 @@ class TensorAssembler:
             raise CodecError(f"negative tensor size {self.numel}")
         if self.out is None:
             self.out = torch.empty(self.numel, dtype=self.dtype)
+        elif self.out.device.type != "cpu":  # else numpy's TypeError, which names no codec rule
+            raise CodecError(f"tensors are received into CPU memory, got a destination on {self.out.device}")
         elif self.out.dtype != self.dtype or self.out.numel() != self.numel or not self.out.is_contiguous():
             raise CodecError("destination tensor does not match the announced dtype and size")
         self._bytes = _byte_view(self.out)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pstrain.ps_server.errors import InvalidArgument, PsError, WaitTimeout
+from pstrain.ps_server.errors import InvalidArgument, NotReady, PsError, WaitTimeout
 from pstrain.runtime.bulk_socket import (
     MAX_SOCKETS_PER_WORKER,
     NONCE_BYTES,
@@ -84,6 +84,13 @@ class StaleBulk(PsError):
 
 class BulkRefused(PsError):
     """Bulk sockets are off here, or the call came over TLS (FAILED_PRECONDITION: stream instead)."""
+
+
+class BulkStopping(NotReady, BulkRefused):
+    """The shard is stopping: its bulk port is closed while gRPC still drains (UNAVAILABLE, through ``NotReady``).
+
+    Not FAILED_PRECONDITION: a client takes that as "this shard never offers bulk sockets" and streams to it for
+    good, even after the shard is restarted on the same address; UNAVAILABLE is a passing reason, asked again."""
 
 
 @dataclass
@@ -170,8 +177,10 @@ class BulkSockets:
         ``MAX_SOCKETS_PER_WORKER`` descriptors open for the shard's lifetime."""
         owner = (worker_id, incarnation)
         with self._lock:
-            if not self.enabled or self._closed:
+            if not self.enabled:
                 raise BulkRefused("bulk sockets are off on this shard; stream instead")
+            if self._closed:
+                raise BulkStopping("this shard is stopping and its bulk port is closed; stream, and ask again later")
             newer = [o for o in self._of_owner if o[0] == worker_id and o[1] > incarnation]
             if newer:
                 raise StaleBulk(
@@ -257,8 +266,16 @@ class BulkSockets:
         with self._lock:
             return self._held.get((worker_id, incarnation), 0)
 
+    def turn_off(self) -> None:
+        """Off for good (TLS, ``transport.bulk_sockets: off``): the port closes and every grant is refused as
+        ``BulkRefused``, so clients stream to this shard from then on."""
+        with self._lock:
+            self.enabled = False
+        self.close()
+
     def close(self) -> None:
-        """Close the port and every socket; later grants are refused (the server stops).
+        """Close the port and every socket; later grants are refused as ``BulkStopping`` (the server stops: a
+        client asks again later, since the shard may come back on the same address).
 
         The listener is shut down before it is closed: on Linux a thread blocked in ``accept`` is not woken by
         ``close`` alone and would go on accepting on a port that could not be bound again."""

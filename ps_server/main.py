@@ -111,7 +111,7 @@ def open_bulk_port(bulk: BulkSockets, tls: bool, shard_id: int) -> bool:
     if not bulk.enabled:
         return True
     if tls:
-        bulk.close()
+        bulk.turn_off()
         log.info("shard %d serves TLS: no bulk port, every worker streams its tensors inside gRPC", shard_id)
         return True
     try:
@@ -214,7 +214,7 @@ def serve_shard(
     if job.push_timeout_s > 0:  # issue 12: a bulk push's payload moves within the job's push timeout
         servicer.push_timeout_s = job.push_timeout_s
     if job.bulk_sockets_off and servicer.bulk.enabled:  # issue 12: transport.bulk_sockets: off, every worker streams
-        servicer.bulk.close()
+        servicer.bulk.turn_off()
         log.info("shard %d: transport.bulk_sockets is off; its bulk port is closed", shard_id)
     servicer.attach(shard, job.chunk_bytes)
     member.closing(servicer.close_shared_memory)  # issue 12: unlink every worker's /dev/shm regions

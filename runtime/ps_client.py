@@ -124,6 +124,29 @@ _SHM_REFUSED = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED)
 _PushPull = tuple[ShardRange, torch.Tensor, int, int, int, torch.Tensor, "Future[ShardAck]", "Future[int]"]
 
 
+def _check_push(flat: torch.Tensor, total: int) -> None:
+    """``check_push_buffer``, and host memory, checked before any call starts: a tensor elsewhere (CUDA, ``meta``)
+    otherwise failed inside gRPC's request iterator, after the shard had its header, as an UNKNOWN "Exception
+    iterating requests!" that names neither the tensor nor its device."""
+    check_push_buffer(flat, total)
+    _check_on_host(flat, "push")
+
+
+def _check_pull(out: torch.Tensor, total: int) -> None:
+    """``check_pull_buffer``, and host memory: a destination elsewhere failed only once its pull began, so in
+    ``push_pull_pieces`` after the gradient had been pushed (a retry of the step would then be a duplicate)."""
+    check_pull_buffer(out, total)
+    _check_on_host(out, "pull")
+
+
+def _check_on_host(tensor: torch.Tensor, call: str) -> None:
+    if tensor.device.type != "cpu":
+        raise InvalidRequest(
+            f"{call} needs its buffer in host (CPU) memory, got a tensor on {tensor.device}; "
+            "copy it to the host first (tensor.cpu(), or a pinned host buffer)"
+        )
+
+
 def _settle(future: Future[T], error: BaseException) -> None:
     """Fail ``future`` unless it is settled already (a push-and-pull's futures are settled from several threads)."""
     if future.done():
@@ -288,7 +311,7 @@ class PsClient:
 
     def push(self, flat: torch.Tensor, worker_id: int, step: int, device_count: int) -> PushHandle:
         """Send each shard its slice of ``flat`` (a contiguous float32 CPU vector), concurrently."""
-        check_push_buffer(flat, self.total)
+        _check_push(flat, self.total)
         return PushHandle(
             [self._submit(self._push_one, r, flat[r.start : r.end], worker_id, step, device_count) for r in self.ranges]
         )
@@ -300,7 +323,7 @@ class PsClient:
         self, flat: torch.Tensor, pieces: Sequence[ShardRange], worker_id: int, step: int, device_count: int
     ) -> PushHandle:
         """Send each piece of ``flat`` to its shard, concurrently (the header names the piece)."""
-        check_push_buffer(flat, self.total)
+        _check_push(flat, self.total)
         check_pieces(pieces, self.ranges)
         futures = [
             self._submit(self._push_one, p, flat[p.start : p.end], worker_id, step, device_count, True) for p in pieces
@@ -340,8 +363,8 @@ class PsClient:
         ``placed[i]``, where given, holds piece i's gradient instead of ``flat``: when it is the piece's
         ``push_targets`` span the shared-memory push copies nothing, and should the shard refuse its regions the
         piece is streamed from it (a region given up stays mapped until ``close``)."""
-        check_push_buffer(flat, self.total)
-        check_pull_buffer(out, self.total)
+        _check_push(flat, self.total)
+        _check_pull(out, self.total)
         check_pieces(pieces, self.ranges)
         sources = placed_sources(flat, pieces, placed)
         acks: list[Future[ShardAck]] = []
@@ -367,7 +390,7 @@ class PsClient:
             self._pulls_settled.notify_all()
 
     def pull_pieces(self, min_version: int, out: torch.Tensor, pieces: Sequence[ShardRange]) -> PullHandle:
-        check_pull_buffer(out, self.total)
+        _check_pull(out, self.total)
         check_pieces(pieces, self.ranges)
         return PullHandle(
             [self._submit(self._pull_one, p, min_version, out[p.start : p.end], True, pool=self._pulls) for p in pieces]
@@ -375,7 +398,7 @@ class PsClient:
 
     def pull(self, min_version: int, out: torch.Tensor) -> int:
         """Fill ``out`` with every shard's parameters at ``min_version`` or newer; return the version."""
-        check_pull_buffer(out, self.total)
+        _check_pull(out, self.total)
         futures = [self._submit(self._pull_one, r, min_version, out[r.start : r.end]) for r in self.ranges]
         return agreed_version([result_of(f) for f in futures])
 
@@ -389,7 +412,7 @@ class PsClient:
         return int(status.worker_step) if status.HasField("worker_step") else -1  # a shard that cannot tell: none
 
     def pull_at(self, version: int, out: torch.Tensor) -> None:
-        check_pull_buffer(out, self.total)
+        _check_pull(out, self.total)
         futures = [self._submit(self._pull_at_one, r, version, out[r.start : r.end]) for r in self.ranges]
         for future in futures:
             result_of(future)
