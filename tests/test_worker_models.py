@@ -448,3 +448,37 @@ def test_a_root_module_parameter_is_computed_on_its_device_copy_under_whole_laye
     )
     assert len(read_at) == DEVICES * STEPS and host[0] not in read_at
     torch.testing.assert_close(trained, reference(RootParameter), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_reads_its_out_proj_on_the_device_copy_under_whole_layer_offload() -> None:
+    """``nn.MultiheadAttention`` (and every ``nn.Transformer*Layer``) reads ``out_proj.weight`` without calling
+    ``out_proj``, so offload never brought it to the device: on a GPU, a device mismatch in the first forward. Its
+    parameters are now the attention layer's own, fetched with it."""
+    read_at: list[int] = []
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(5, 8)
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.out = nn.Linear(8, 4)
+            self.watching = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.watching:  # after offload's own pre-hook, which puts the layer on its device copy
+                self.mha.register_forward_pre_hook(
+                    lambda m, _: read_at.append(m.out_proj.weight.untyped_storage().data_ptr())
+                )
+                self.watching = True
+            h = torch.tanh(self.inp(x)).unsqueeze(1).expand(-1, 3, -1).contiguous()
+            attended, _ = self.mha(h, h, h)
+            return self.out(attended.mean(1))
+
+    host: list[int] = []
+    trained = train(
+        Attention,
+        MemoryPolicy({}, offload_params=True),
+        inspect=lambda replicas: host.append(replicas.host_params.untyped_storage().data_ptr()),
+    )
+    assert len(read_at) == DEVICES * STEPS and host[0] not in read_at
+    torch.testing.assert_close(trained, reference(Attention), rtol=1e-5, atol=1e-6)

@@ -72,6 +72,21 @@ PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 """Modules never called: their parent reads their tensors, so their parameters are the parent's (a pre-hook of the
 parent's, not of theirs, runs before those tensors are read)."""
 
+CHILDREN_READ_BY_PARENT: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+"""Children whose parameters their parent's forward reads without calling them: ``nn.MultiheadAttention`` (and so
+every ``nn.Transformer*Layer``) hands ``out_proj.weight`` to ``F.multi_head_attention_forward``. Their parameters are
+the parent's too; else whole-layer offload never brought them to the device (a device mismatch on a GPU)."""
+
+
+def children_read_by(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of ``module`` whose parameters ``module``'s forward reads itself (see the two tables above)."""
+    named = dict(module.named_children())
+    read = [(name, child) for name, child in named.items() if isinstance(child, PARAMETER_CONTAINERS)]
+    for kind, names in CHILDREN_READ_BY_PARENT.items():
+        if isinstance(module, kind):
+            read += [(name, named[name]) for name in names if name in named and (name, named[name]) not in read]
+    return read
+
 
 class HostGradSum:
     """The host gradient buffer every offloaded replica of a host sums into, in device order per parameter.
@@ -161,13 +176,15 @@ class ParamOffload:
         """Hook every layer; ``flat_params``/``flat_grads`` are the host buffers the parameters are bound to."""
         position = {id(p): i for i, p in enumerate(self._model.parameters())}
         seen: dict[int, str] = {}  # parameter -> the module it is a layer's of
+        absorbed: set[int] = set()  # modules whose parameters are their parent's layer (children_read_by)
         for module_name, module in self._model.named_modules():
-            if isinstance(module, PARAMETER_CONTAINERS):
-                continue  # never called: its parent reads its tensors, so they are a layer of the parent's
+            if id(module) in absorbed:
+                absorbed.update(id(m) for m in module.children())
+                continue  # not called (or its tensors read directly): they are a layer of the parent's
             own = dict(module.named_parameters(recurse=False))
-            for child_name, child in module.named_children():
-                if isinstance(child, PARAMETER_CONTAINERS):
-                    own.update((f"{child_name}.{name}", p) for name, p in child.named_parameters())
+            for child_name, child in children_read_by(module):
+                own.update((f"{child_name}.{name}", p) for name, p in child.named_parameters())
+                absorbed.add(id(child))
             for name, p in own.items():
                 if id(p) in seen:  # tied: the other module's forward would compute on the host copy
                     raise ModelUnsupported(

@@ -29,7 +29,7 @@ from pstrain.runtime.layout import ParamLayout, refuse_frozen
 from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
 from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
-from pstrain.worker.param_offload import PARAMETER_CONTAINERS, HostGradSum, ParamOffload, offload_layers
+from pstrain.worker.param_offload import HostGradSum, ParamOffload, children_read_by, offload_layers
 
 T = TypeVar("T")
 
@@ -409,12 +409,12 @@ def _modules_with_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     Such a module waits for the buckets of its whole subtree (it may read a child's weight directly); a
     module without parameters of its own is walked into, so a container never waits for everything. A
     ``ParameterList`` or ``ParameterDict`` is never called (its parent reads its tensors), so its parameters count
-    as its parent's own.
+    as its parent's own; so do those of the other children a parent reads directly (``children_read_by``).
     """
     found: list[torch.nn.Module] = []
 
     def walk(module: torch.nn.Module) -> None:
-        read_here = any(isinstance(child, PARAMETER_CONTAINERS) for child in module.children())
+        read_here = bool(children_read_by(module))
         if read_here or next(module.parameters(recurse=False), None) is not None:
             found.append(module)
         else:
