@@ -81,7 +81,7 @@ the parent's too; else whole-layer offload never brought them to the device (a d
 def children_read_by(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The children of ``module`` whose parameters ``module``'s forward reads itself (see the two tables above)."""
     named = dict(module.named_children())
-    read = [(name, child) for name, child in named.items() if isinstance(child, PARAMETER_CONTAINERS)]
+    read: list[tuple[str, nn.Module]] = [(n, c) for n, c in named.items() if isinstance(c, PARAMETER_CONTAINERS)]
     for kind, names in CHILDREN_READ_BY_PARENT.items():
         if isinstance(module, kind):
             read += [(name, named[name]) for name in names if name in named and (name, named[name]) not in read]
