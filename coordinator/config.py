@@ -107,6 +107,8 @@ class DataConfig:
     """Samples per data shard handed to a worker."""
     shuffle: bool = True
     """Shuffle the sample order every epoch (seeded by job.seed and the epoch)."""
+    prefetch: bool = True
+    """Read and collate the next step's batch in a background thread while this step computes."""
 
     def __post_init__(self) -> None:
         _require(":" in self.factory, "data.factory", f"{self.factory!r} must look like 'pkg.module:callable'")

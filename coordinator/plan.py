@@ -155,4 +155,5 @@ def job_spec(
         embeddings=[t.to_pb() for t in cfg.table_specs()],  # issue 9: sparse tables, not in the flat vector
         profile_blocks=list(cfg.memory.blocks),  # issue 10: the master profiles the layers the plan names
         profile_batches=list(cfg.memory.profile_batches),
+        data_prefetch_off=not cfg.data.prefetch,
     )

@@ -214,6 +214,7 @@ def make_trainer() -> Iterator[MakeTrainer]:
         data: Dataset = DATA,
         on_nonfinite: str = "stop",
         bucket_bytes: int = 0,
+        prefetch: bool = False,
     ) -> Trainer:
         job = pb.JobSpec(
             steps=STEPS,
@@ -223,7 +224,7 @@ def make_trainer() -> Iterator[MakeTrainer]:
             bucket_bytes=bucket_bytes,
         )
         replicas = ReplicaSet(seeded_model, [torch.device("cpu")] * DEVICES, LAYOUT)
-        feed = DataFeed(data, ListSource(worker_id, worker_samples(worker_id)))
+        feed = DataFeed(data, ListSource(worker_id, worker_samples(worker_id)), prefetch)
         loss = torch.nn.functional.cross_entropy
         reporter = reporter or Reporter()
         trainer = Trainer(worker_id, job, replicas, ps, feed, loss, reporter, stop or threading.Event(), retry)
@@ -234,6 +235,7 @@ def make_trainer() -> Iterator[MakeTrainer]:
     for trainer in built:
         trainer.ps.close(cancel=True)
         trainer.replicas.close()
+        trainer.feed.close()
 
 
 def start(trainer: Trainer) -> tuple[threading.Thread, dict[str, object]]:

@@ -2,11 +2,19 @@
 
 A step's batch may span shards. A shard is reported done only after the step that consumed
 its last sample has been pushed, so a worker that dies mid-step never loses a data shard (S2.5).
+
+With ``prefetch`` the trainer asks for the next step's batch (``prefetch``) as soon as it has this
+step's: its samples are read and collated in a background thread while the step computes, as torch's
+``DataLoader`` workers would. Only the reading moves: which samples a step takes, and when their data
+shards count as done, is decided by ``next_indices`` on the trainer's thread exactly as without it, and a
+prefetched batch is used only for the very indices it was read for (else it is dropped and read again).
+The dataset is never read by two threads at once: the trainer waits for the background read before it reads.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,13 +32,19 @@ class ShardSource(Protocol):
     def complete(self, data_shard_id: int) -> None: ...
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class DataFeed:
     dataset: torch.utils.data.Dataset
     source: ShardSource
+    prefetch_batches: bool = False  # the JobSpec's data.prefetch: read the next step's batch in the background
     _queue: deque[tuple[int, int]] = field(default_factory=deque)  # (sample index, data shard id)
     _left: dict[int, int] = field(default_factory=dict)  # data shard id -> samples not consumed yet
     _exhausted: list[int] = field(default_factory=list)
+    _ahead: tuple[list[int], Future[Batch]] | None = None  # the indices read in the background, and their batch
+    _reader: ThreadPoolExecutor | None = None
 
     def _fill(self, count: int) -> None:
         """Request data shards until at least ``count`` samples are queued."""
@@ -53,15 +67,40 @@ class DataFeed:
                 self._exhausted.append(data_shard_id)
         return indices
 
-    def peek_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def peek_batch(self, count: int) -> Batch:
         """The next ``count`` samples without consuming them (the probe trains on nothing)."""
+        if self._ahead is not None:
+            self._ahead[1].exception()  # wait: the dataset is read by one thread at a time
         self._fill(count)
         return self._collate([index for index, _ in list(self._queue)[:count]])
 
-    def next_batch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._collate(self.next_indices(count))
+    def next_batch(self, count: int) -> Batch:
+        indices = self.next_indices(count)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            read = ahead[1].result()  # its error, if reading failed, is this step's (as a read here would raise it)
+            if ahead[0] == indices:
+                return read
+        return self._collate(indices)
 
-    def _collate(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefetch(self, count: int) -> None:
+        """Start reading the batch of the next ``count`` samples (the next step's) in the background; a no-op
+        without ``prefetch_batches``. Requests the data shards it needs now, on the caller's thread."""
+        if not self.prefetch_batches or self._ahead is not None:
+            return
+        self._fill(count)
+        indices = [index for index, _ in list(self._queue)[:count]]
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="data-prefetch")
+        self._ahead = (indices, self._reader.submit(self._collate, indices))
+
+    def close(self) -> None:
+        """Stop the background reader (a read in progress finishes; nothing waits for it)."""
+        self._ahead = None
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def _collate(self, indices: list[int]) -> Batch:
         """One batch, fetched as torch's ``DataLoader`` fetches it: a dataset with ``__getitems__`` (``Subset``, a
         user's batched reader) gets the whole index list in one call, any other is indexed sample by sample; either
         way the samples are ``(input, target)`` pairs and ``default_collate`` makes the batch."""

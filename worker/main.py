@@ -210,7 +210,8 @@ def train_registered(
     layout = ParamLayout.of(build_model(job.model_factory, job.model_kwargs_json))
     if layout.total != job.total_params or list(layout.names) != [p.name for p in job.params]:
         raise FactoryError("this host's model factory builds a different model than the coordinator's")
-    feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link)
+    feed = DataFeed(build_dataset(job.data_factory, job.data_kwargs_json), link, not job.data_prefetch_off)
+    member.closing(feed.close)
     loss_fn = resolve_loss(job.loss)
     if cluster.probe:
         job, replicas = probe_until_accepted(link, job, devices, layout, feed, loss_fn)

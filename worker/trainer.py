@@ -207,6 +207,8 @@ class Trainer:
         started = time.perf_counter()
         devices = len(self.replicas)
         inputs, targets = self.feed.next_batch(self.job.per_device_batch * devices)
+        if step + 1 < self.job.steps:  # data.prefetch: the next step's batch is read while this one computes
+            self.feed.prefetch(self.job.per_device_batch * devices)
         if self.sparse is not None:  # issue 9: pull this host batch's embedding rows, bind them per device
             self.sparse.prepare(step, list(inputs.chunk(devices)), self._retrying)
         losses = self.replicas.forward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
