@@ -194,8 +194,10 @@ class ParameterShard:
         workers: int,
         checkpoints: CheckpointPolicy | None = None,
         layers: Layers | None = None,
+        push_dtype: int = pb.FLOAT32,
     ) -> ParameterShard:
-        """A shard continuing from a checkpoint: its range, optimizer state and version."""
+        """A shard continuing from a checkpoint: its range, optimizer state and version. ``push_dtype`` is the job's
+        (a checkpoint does not record it): a bfloat16 job's shard restored without it refuses every push."""
         return cls(
             state.shard_id,
             state.start,
@@ -208,6 +210,7 @@ class ParameterShard:
             optimizer_state=state.optimizer,
             checkpoints=checkpoints,
             layers=layers,
+            push_dtype=push_dtype,
         )
 
     @property

@@ -129,6 +129,10 @@ class VersionFollower:
                 self._idle = True
                 if not self._demand.wait(FOLLOW_POLL_S):
                     continue  # looks again whether the server has stopped
+            if self._idle:
+                # Out of idling however that ended: the wait above, or a pull that came as it timed out (seen at the
+                # top). That pull waits for a version read after it asked (``get``): reading the next one instead
+                # would keep it waiting for a step its own worker has yet to push.
                 self._idle, want = False, 0  # the newest version, whichever it is
             self._demand.clear()
             try:
