@@ -178,3 +178,13 @@ def test_data_prefetch_is_on_by_default_and_must_be_a_boolean() -> None:
         assert job_spec(cfg, make_plan(cfg), model.layout, "j").data_prefetch_off is off
     with pytest.raises(ConfigError, match="data.prefetch"):
         parse_config({**RAW, "data": {**RAW["data"], "prefetch": "sometimes"}})
+
+
+def test_a_failed_read_of_samples_the_step_does_not_take_is_not_its_error() -> None:
+    feed = DataFeed(Watched(fail_at=3), Shards(), prefetch_batches=True)
+    try:
+        feed.prefetch(4)  # samples 0..3: the read of 3 fails in the background
+        x, _ = feed.next_batch(2)  # a step of 2 samples never reads sample 3
+        assert torch.equal(x, torch.stack([DATA[i][0] for i in range(2)]))
+    finally:
+        feed.close()

@@ -78,9 +78,9 @@ class DataFeed:
         indices = self.next_indices(count)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            read = ahead[1].result()  # its error, if reading failed, is this step's (as a read here would raise it)
             if ahead[0] == indices:
-                return read
+                return ahead[1].result()  # its error, if reading failed, is this step's (as a read here would raise)
+            ahead[1].exception()  # other samples (a step of another size): wait, one reader at a time, and drop it
         return self._collate(indices)
 
     def prefetch(self, count: int) -> None:
