@@ -78,7 +78,7 @@ from pstrain.coordinator.checkpoints import CheckpointLedger
 from pstrain.coordinator.data_shards import DataShardAssignment, DataShardCounts, DataShardTracker
 from pstrain.coordinator.errors import InvalidRequest, NoFreeSlot, ProbeFailed, UnknownMember, WrongState
 from pstrain.coordinator.export import ModelExport, PullFinal
-from pstrain.coordinator.journal import JOURNAL_NAME, Journal, JournalUnusable, Recovery
+from pstrain.coordinator.journal import COMPACT_BYTES, JOURNAL_NAME, Journal, JournalUnusable, Recovery
 from pstrain.coordinator.ledger import Progress, StepLedger, StepRecord, StepReport
 from pstrain.coordinator.membership import Member, Membership, MemberView
 from pstrain.coordinator.memory_forecast import RECENT_STEPS, PsMemoryForecast, expected_end_s
@@ -218,6 +218,7 @@ class Job:
         self.journal = Journal(out_dir / JOURNAL_NAME) if out_dir is not None else None  # the decisions, fsynced
         if self.journal is not None and recovery is None:
             self.journal.reset()  # a new job (or a rollback): the journal starts with it
+        self.journal_compact_bytes = COMPACT_BYTES  # compacted past this without a commit (``_bound_journal``)
         self._start_step = start_step
         self.recovered = recovery is not None
         self._awaiting: set[tuple[str, int]] = set()  # a recovered job: members not heard from since the restart
@@ -323,6 +324,8 @@ class Job:
             for shard_id, step in recovery.confirmations:
                 if step > self.checkpoint_step:
                     self._confirmations.setdefault(step, set()).add(shard_id)
+            if self._checkpoints is None:
+                self._fold_data()  # as the job was before the restart, compacted or not
             self._compact()  # the journal is whole again from here
 
     def _replay(self, op: dict[str, object]) -> None:
@@ -432,6 +435,27 @@ class Job:
         if self.journal is not None:
             with self._cond:
                 self.journal.compact(self.checkpoint_step, self._snapshot())
+
+    def _bound_journal(self) -> None:
+        """After a recorded step (the lock held): keep the journal and the tracker bounded when nothing commits.
+
+        Without checkpoints nothing ever compacts the journal or folds the tracker's streams (``_resume_state``
+        does at a commit): the journal grows by every step, a restart reads all of it, and the streams keep every
+        data shard's sample list (some 40 KB a step with two workers and 512-sample data shards). No rewind goes
+        before the recorded steps (a rejoin, a drop or a return starts at one not recorded), so they are folded at
+        every step; the journal is compacted once it grew by ``journal_compact_bytes`` since its last compaction,
+        whether checkpoints are off or not committing.
+        """
+        if self._checkpoints is None:
+            self._fold_data()
+        if self.journal is None or self.state.over or self.journal.appended_bytes < self.journal_compact_bytes:
+            return  # over: its ``job_over`` line must stay (``_commit`` does not compact then either)
+        self._compact()  # failed (disk full): the old journal is whole, and the next recorded step tries again
+
+    def _fold_data(self) -> None:
+        """Forget what the tracker's streams consumed before the recorded steps (no checkpoint asks for a state)."""
+        step = self.ledger.completed
+        self.data_shards.fold(step, self._consumed(step))
 
     def _journal_members(self) -> None:
         self._journal("members", members=self.membership.snapshot())
@@ -838,6 +862,8 @@ class Job:
             self._after_record(record)
             if report.step == self.plan.steps - 1:
                 worker.done = True
+            if record is not None:
+                self._bound_journal()
             return self._directive(), (self.ledger.completed if record is not None else None)
 
     def _settle_before(self, step: int) -> None:

@@ -5,7 +5,10 @@ what the coordinator decided since (a worker declared failed, its replacement, w
 resumed, the data shards dispatched and completed, each step's record). It is the ledger a test
 or an operator reads to check that every sample was trained exactly once per epoch, and it is
 compacted when a checkpoint commits: what came before is in the manifest, so the journal starts
-again from a ``checkpoint`` line.
+again from a ``checkpoint`` line. A job whose checkpoints do not commit (``checkpoint.every_steps: 0``, no
+checkpoint directory, a shard whose writes keep failing) compacts it too, once ``COMPACT_BYTES`` of events
+were appended since the last compaction: else it grows by every step (some 750 bytes a step with two
+workers) for as long as the job runs, and a restarted coordinator reads all of it back into memory.
 
 Each line is ``{"t": <unix s>, "event": <name>, ...fields}``. A line torn by a crash mid-write is
 skipped by ``read_journal``; a damaged line before the last makes the journal unusable (a rollback), and an
@@ -41,6 +44,11 @@ from pstrain.runtime.atomic_io import atomic_write
 
 JOURNAL_NAME = "journal.jsonl"
 
+COMPACT_BYTES = 4 << 20
+"""Events appended since the last compaction past which a job compacts without a committed checkpoint: the
+journal stays a few MB (a restart reads it in well under a second) and a compaction comes every few thousand
+steps, its cost (a snapshot of a few KB, one fsync) nothing against theirs."""
+
 TRACKER_EVENTS = (
     "data_shard_dispatched",
     "data_shard_completed",
@@ -64,6 +72,7 @@ class Journal:
         self._lock = threading.Lock()
         _drop_torn_tail(path)
         self._file = self._open("ab")
+        self._appended = os.fstat(self._file.fileno()).st_size  # what was there counts: nothing compacted it yet
 
     def _open(self, mode: str) -> IO[Any]:
         """Unbuffered: an append that failed (disk full) must leave nothing behind to be written by the next one.
@@ -87,16 +96,26 @@ class Journal:
             fd = self._file.fileno()
             end = os.fstat(fd).st_size
             try:
-                _write_all(fd, (line + "\n").encode())
+                data = (line + "\n").encode()
+                _write_all(fd, data)
                 if self._fsync and durable:
                     os.fsync(fd)
             except OSError:
                 _truncate_quietly(fd, end)
                 raise
+            self._appended += len(data)
+
+    @property
+    def appended_bytes(self) -> int:
+        """Bytes of events appended since the last compaction or reset (a reopened journal: its whole size)."""
+        with self._lock:
+            return self._appended
 
     def compact(self, step: int, snapshot: dict[str, Any] | None = None) -> None:
-        """Checkpoint ``step`` committed: replace the journal by a ``checkpoint`` line and, given one, the
-        job's ``snapshot`` (atomically: a crash leaves the old journal or the new one, never half)."""
+        """Checkpoint ``step`` committed (or, without a new commit, the journal grew by ``COMPACT_BYTES``: ``step``
+        is the last committed, -1 if none; ``recovery`` reads the snapshot, not this step): replace the journal by
+        a ``checkpoint`` line and, given one, the job's ``snapshot`` (atomically: a crash leaves the old journal or
+        the new one, never half)."""
         now = round(time.time(), 6)
         lines = [{"t": now, "event": "checkpoint", "step": step}]
         if snapshot is not None:
@@ -108,6 +127,7 @@ class Journal:
             self._file.close()
             try:
                 atomic_write(self.path, lambda fh: fh.write(text.encode()))
+                self._appended = 0
             finally:  # failed (disk full): the old journal is whole and later events must still reach it
                 self._file = self._open("ab")
 
@@ -116,6 +136,7 @@ class Journal:
         with self._lock:
             self._file.close()
             self._file = self._open("wb")
+            self._appended = 0
             if self._fsync:  # else a power loss can bring the previous job's events back for a restart to replay
                 os.fsync(self._file.fileno())
 
