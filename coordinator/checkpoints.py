@@ -58,6 +58,8 @@ class Manifest:
     worker_ids: list[int] | None = None  # the workers of step ``step``; None: every slot (an older manifest)
     tracker: dict[str, Any] | None = None  # DataShardTracker.state_at(step); None: positioned from the step alone
     settings: dict[str, Any] | None = None  # resolved_settings of the job file; None: an older manifest
+    worker_device_bytes: int = 0  # the probe's S2.2 estimate per worker when it committed; 0: none (or older)
+    worker_host_bytes: int = 0
 
 
 # Sections that say how a job is run, kept and watched, not what it trains: a resume may change them.
@@ -187,8 +189,13 @@ def read_manifest(directory: Path, step: int) -> Manifest:
     path = manifest_path(directory, step)
     try:
         data = json.loads(path.read_bytes())
+        known = {f.name for f in fields(Manifest)}
+        newer = sorted(set(data) - known) if isinstance(data, dict) else []
+        if newer:  # written by a newer pstrain: what this one knows of it still holds
+            log.warning("%s has fields this version does not know (%s); they are ignored", path, ", ".join(newer))
+            data = {k: v for k, v in data.items() if k in known}
         return Manifest(**data)
-    except (ValueError, TypeError) as exc:  # JSONDecodeError, not UTF-8, not an object, missing or unknown keys
+    except (ValueError, TypeError) as exc:  # JSONDecodeError, not UTF-8, not an object, missing keys
         raise ManifestDamaged(f"{path} is not a readable manifest: {exc}") from exc
 
 
@@ -231,6 +238,14 @@ class CheckpointLedger:
         self._lock = threading.Lock()
         steps = committed_steps(directory)
         self.last_committed = steps[-1] if steps else -1
+
+    def estimate(self, worker_device_bytes: int, worker_host_bytes: int) -> None:
+        """The probe's memory estimate per worker: manifests carry it, so a job resumed from one (which runs no
+        probe) still reports it and serves it to a replacement worker."""
+        with self._lock:
+            self._template = replace(
+                self._template, worker_device_bytes=worker_device_bytes, worker_host_bytes=worker_host_bytes
+            )
 
     def rebatch(self, per_worker_batch: int) -> None:
         """The probe re-planned the job at another batch before it started: manifests record that one, so a resume

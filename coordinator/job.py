@@ -197,6 +197,7 @@ class Job:
         set_ps_workers: SetPsWorkers | None = None,
         resume_workers: list[int] | None = None,
         job_hash: str = "",
+        resumed_estimate: tuple[int, int] = (0, 0),
     ) -> None:
         if not 0 <= start_step < plan.steps:
             raise ValueError(f"start step {start_step} is outside the job's steps 0..{plan.steps - 1}")
@@ -238,9 +239,13 @@ class Job:
             job_id, len(self.shard_ranges), plan.workers, plan.devices_per_worker, heartbeat_timeout_s, clock
         )
         self._probe = ProbeSession(probe) if probe is not None else None
+        # The probe's estimate of a job that runs none: taken back from the journal, or resumed from a checkpoint
+        # (its manifest's); later manifests carry it on.
         self._recovered_estimate = (
-            (recovery.worker_device_bytes, recovery.worker_host_bytes) if recovery is not None else (0, 0)
+            (recovery.worker_device_bytes, recovery.worker_host_bytes) if recovery is not None else resumed_estimate
         )
+        if checkpoints is not None and probe is None and any(self._recovered_estimate):
+            checkpoints.estimate(*self._recovered_estimate)
         self.ledger = StepLedger(
             plan.workers,
             lambda step: self._plan_at(step).lr_at(step),
@@ -769,6 +774,8 @@ class Job:
             if judgement.done:
                 self.state = JobState.WAITING
                 self.message = "waiting for members"
+                if self._checkpoints is not None:
+                    self._checkpoints.estimate(self._probe.worker_device_bytes, self._probe.worker_host_bytes)
                 log.info(
                     "probe accepted at batch %d: each worker needs about %d B of device and %d B of host memory",
                     self.plan.per_device_batch,

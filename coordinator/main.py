@@ -246,6 +246,7 @@ def _build_job(
         recovery=taken_back,
         resume_workers=resume.worker_ids if resume is not None else None,
         job_hash=identity.digest,
+        resumed_estimate=(resume.worker_device_bytes, resume.worker_host_bytes) if resume is not None else (0, 0),
     )
 
 

@@ -219,3 +219,14 @@ def test_a_restarted_coordinator_takes_the_journal_back_only_for_the_job_file_th
     other = build_job(edited, out, recover=True)
     other.close()
     assert not other.recovered and other.job_id != job.job_id
+
+
+def test_a_manifest_with_fields_of_a_newer_version_is_read_not_set_aside(tmp_path: Path) -> None:
+    """Unknown keys made a manifest 'damaged' (set aside, the previous checkpoint resumed): a manifest a newer pstrain
+    wrote, with a field this one does not know, is read for what this one knows."""
+    committed(tmp_path, (4, 8))
+    data = json.loads(manifest_path(tmp_path, 8).read_text())
+    manifest_path(tmp_path, 8).write_text(json.dumps({**data, "a_field_of_tomorrow": 1}))
+    resumed = resume_point(tmp_path, JobIdentity("abc"), steps=12, fresh=False)
+    assert resumed is not None and resumed.step == 8
+    assert not list(tmp_path.glob("*.damaged"))
