@@ -1270,7 +1270,7 @@ class Job:
     def ps_memory_forecast(self) -> PsMemoryForecast:
         """S2.4: the PS shards' memory at the job's end, from their heartbeats' RSS and the recent step rate."""
         with self._cond:
-            recent = [r.step_s for r in self.ledger.records[-RECENT_STEPS:]]
+            recent = [r.step_s for r in self.ledger.recent(RECENT_STEPS)]
             end_s = expected_end_s(self._clock(), self.ledger.completed, self.plan.steps, recent)
             return self.membership.ps_memory(end_s)
 

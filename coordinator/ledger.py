@@ -117,6 +117,7 @@ class StepLedger:
         if metrics_path is not None:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
             self._metrics = self._open_metrics(metrics_path, start_step)
+        self._skipped = sum(record.skipped for record in self._records)  # kept as records come: status asks often
 
     def _open_metrics(self, path: Path, start_step: int) -> IO[str]:
         """A fresh metrics.jsonl, or (resuming at ``start_step``) its records of the steps before ``start_step``.
@@ -155,12 +156,18 @@ class StepLedger:
     @property
     def skipped_steps(self) -> int:
         """Recorded steps that completed without an update (a non-finite loss or gradient)."""
-        return sum(record.skipped for record in self._records)
+        return self._skipped
 
     @property
     def records(self) -> list[StepRecord]:
         with self._cond:
             return list(self._records)
+
+    def recent(self, count: int) -> list[StepRecord]:
+        """The last ``count`` records: what status and the metrics read at every call, without copying every
+        record of a long job (a million steps is a million-entry copy per scrape)."""
+        with self._cond:
+            return self._records[-count:] if count > 0 else []
 
     def start(self) -> None:
         """Training begins now: step 0 is timed from here."""
@@ -261,6 +268,7 @@ class StepLedger:
             workers=len(self.workers_at(step)),
         )
         self._records.append(record)
+        self._skipped += record.skipped
         if self._metrics is not None:
             self._metrics.write(record.to_json() + "\n")
         self._cond.notify_all()

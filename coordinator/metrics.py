@@ -16,8 +16,8 @@ def register_job_metrics(job: Job, registry: CollectorRegistry = REGISTRY) -> No
     """Gauges computed from the job at scrape time, so they can never drift from it."""
 
     def last_loss() -> float:
-        records = job.records
-        return records[-1].loss if records else float("nan")
+        last = job.ledger.recent(1)
+        return last[0].loss if last else float("nan")
 
     Gauge("pstrain_coordinator_step", "Steps completed by every worker", registry=registry).set_function(
         lambda: job.ledger.completed
