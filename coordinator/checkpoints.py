@@ -64,6 +64,19 @@ class Manifest:
 
 # Sections that say how a job is run, kept and watched, not what it trains: a resume may change them.
 _NOT_HASHED = ("security", "eval", "checkpoint", "fault")
+# Single settings of the same kind: ``job.steps`` may grow (train longer); ``data.prefetch`` moves only when a
+# batch is read (a user who turns it off for a dataset that is not thread-safe keeps the checkpoints).
+_NOT_HASHED_KEYS = ("job.steps", "data.prefetch")
+
+
+def _without_unhashed_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (nested dicts) without the ``_NOT_HASHED_KEYS``."""
+    trimmed = dict(config)
+    for key in _NOT_HASHED_KEYS:
+        section, name = key.split(".")
+        if isinstance(trimmed.get(section), dict):
+            trimmed[section] = {k: v for k, v in trimmed[section].items() if k != name}
+    return trimmed
 
 
 def _is_section(value: Any) -> bool:
@@ -118,7 +131,7 @@ def resolved_settings(config: Any) -> dict[str, Any]:
             elif _tables(value):
                 for name, table in value.items():
                     walk(table, f"{key}.{name}.")
-            elif key.split(".")[0] not in _NOT_HASHED and key != "job.steps":
+            elif key.split(".")[0] not in _NOT_HASHED and key not in _NOT_HASHED_KEYS:
                 out[key] = json.loads(json.dumps(value, default=str))
 
     walk(config, "")
@@ -128,11 +141,10 @@ def resolved_settings(config: Any) -> dict[str, Any]:
 def job_hash(config: dict[str, Any]) -> str:
     """A stable digest of a job file's settings (``explicit_settings``), without what a resume may change.
 
-    ``job.steps`` may grow (train longer); security, eval, checkpointing and fault handling do not
-    change what is trained.
+    ``job.steps`` may grow (train longer); ``data.prefetch``, security, eval, checkpointing and fault handling
+    do not change what is trained.
     """
-    trimmed = {k: v for k, v in config.items() if k not in _NOT_HASHED}
-    trimmed["job"] = {k: v for k, v in trimmed.get("job", {}).items() if k != "steps"}
+    trimmed = _without_unhashed_keys({k: v for k, v in config.items() if k not in _NOT_HASHED})
     trimmed = {k: v for k, v in trimmed.items() if v != {}}
     canonical = json.dumps(trimmed, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
@@ -141,8 +153,7 @@ def job_hash(config: dict[str, Any]) -> str:
 def legacy_job_hash(config: Any) -> str:
     """The digest manifests written before ``explicit_settings`` carry: the whole normalized config without
     ``security``, ``eval`` and ``job.steps``. Accepted on resume, so their directories stay usable."""
-    trimmed = {k: v for k, v in asdict(config).items() if k not in ("security", "eval")}
-    trimmed["job"] = {k: v for k, v in trimmed.get("job", {}).items() if k != "steps"}
+    trimmed = _without_unhashed_keys({k: v for k, v in asdict(config).items() if k not in ("security", "eval")})
     canonical = json.dumps(trimmed, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -220,6 +220,7 @@ class Job:
         if self.journal is not None and recovery is None:
             self.journal.reset()  # a new job (or a rollback): the journal starts with it
         self.journal_compact_bytes = COMPACT_BYTES  # compacted past this without a commit (``_bound_journal``)
+        self._compact_retry_at = 0  # after a failed compaction: the appended bytes at which to try again
         self._start_step = start_step
         self.recovered = recovery is not None
         self._awaiting: set[tuple[str, int]] = set()  # a recovered job: members not heard from since the restart
@@ -453,9 +454,15 @@ class Job:
         """
         if self._checkpoints is None:
             self._fold_data()
-        if self.journal is None or self.state.over or self.journal.appended_bytes < self.journal_compact_bytes:
+        due = self._compact_retry_at or self.journal_compact_bytes
+        if self.journal is None or self.state.over or self.journal.appended_bytes < due:
             return  # over: its ``job_over`` line must stay (``_commit`` does not compact then either)
-        self._compact()  # failed (disk full): the old journal is whole, and the next recorded step tries again
+        try:
+            self._compact()
+            self._compact_retry_at = 0
+        except OSError as exc:  # the step is recorded: its report must not fail (the worker would exit and retry)
+            self._compact_retry_at = self.journal.appended_bytes + self.journal_compact_bytes
+            log.warning("could not compact the journal (%s); it stays whole and grows until the next try", exc)
 
     def _fold_data(self) -> None:
         """Forget what the tracker's streams consumed before the recorded steps (no checkpoint asks for a state)."""

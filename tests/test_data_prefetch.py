@@ -7,6 +7,7 @@ without it, and the dataset is never read by two threads at once.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +189,17 @@ def test_a_failed_read_of_samples_the_step_does_not_take_is_not_its_error() -> N
         assert torch.equal(x, torch.stack([DATA[i][0] for i in range(2)]))
     finally:
         feed.close()
+
+
+def test_turning_prefetch_off_keeps_the_job_s_identity_and_its_checkpoints() -> None:
+    """``data.prefetch`` moves only when a batch is read: a user who turns it off (a dataset that is not
+    thread-safe) resumes from the checkpoints of the run that had it on. Before, the job file's hash changed."""
+    from pstrain.coordinator.checkpoints import JobIdentity, Manifest
+
+    on = JobIdentity.of(parse_config(RAW))
+    off = JobIdentity.of(parse_config({**RAW, "data": {**RAW["data"], "prefetch": False}}))
+    assert (off.digest, off.legacy_digest, off.settings) == (on.digest, on.legacy_digest, on.settings)
+    written = Manifest(
+        step=4, job_hash=on.digest, ps_shards=3, total_params=74, workers=2, per_worker_batch=8, committed_unix_s=0.0
+    )
+    off.check(written, Path("ckpt"))  # raises CheckpointMismatch for another job file

@@ -191,3 +191,29 @@ def test_with_checkpoints_commits_compact_as_before_and_a_stalled_commit_compact
         assert again.incarnations == before[3] and again.status().step == 80
     finally:
         again.close()
+
+
+def test_a_compaction_that_fails_fails_no_step_report_and_is_tried_again_later(tmp_path: Path, monkeypatch) -> None:
+    """A compaction past the size limit ran inside the step's report: on a directory that takes no new file (full,
+    out of inodes) the recorded step's report failed, and the worker exited for a step that had counted."""
+    from pstrain.coordinator import journal as journal_module
+
+    def refused(path: Path, write: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    job = two_worker_job(tmp_path, 200)
+    samples = job.plan.per_device_batch * job.plan.devices_per_worker
+    try:
+        monkeypatch.setattr(journal_module, "atomic_write", refused)
+        for step in range(60):  # past the limit twice: each try fails
+            for worker in range(2):
+                job.report_step(StepReport(worker_id=worker, step=step, loss=1.0, samples=samples, step_s=0.1))
+        assert job.ledger.completed == 60 and read_journal(tmp_path / JOURNAL_NAME)[0]["event"] != "checkpoint"
+        monkeypatch.undo()
+        for step in range(60, 120):
+            for worker in range(2):
+                job.report_step(StepReport(worker_id=worker, step=step, loss=1.0, samples=samples, step_s=0.1))
+    finally:
+        job.close()
+    assert read_journal(tmp_path / JOURNAL_NAME)[0]["event"] == "checkpoint"  # compacted once the disk took it
+    assert recovery(tmp_path / JOURNAL_NAME).completed == 120
