@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
@@ -36,7 +36,7 @@ from pstrain.ps_server.errors import (
 )
 from pstrain.ps_server.pieces import PiecedShard
 from pstrain.ps_server.shard import ParameterShard, PushResult
-from pstrain.ps_server.shm import NotColocated, SharedRegions, StaleRegion
+from pstrain.ps_server.shm import NotColocated, RegionPair, SharedRegions, StaleRegion
 from pstrain.runtime.admission import Overloaded
 from pstrain.runtime.identity import PermissionDenied
 from pstrain.runtime.shm_region import HEADER_BYTES, ShmError
@@ -322,7 +322,12 @@ class ParameterServerServicer:
     async def OpenSharedMemory(self, request: pb.ShmRequest, context: grpc.aio.ServicerContext) -> pb.ShmRegions:
         """A fresh pair of regions for the calling worker, if it is on this host and is who it says."""
         regions = self._check_shared(request, context)
-        pair = await asyncio.to_thread(regions.open, request.worker_id, context.peer())
+        opening = asyncio.ensure_future(asyncio.to_thread(regions.open, request.worker_id, context.peer()))
+        try:
+            pair = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the worker gave up (its deadline) and streams: the pair would be held for
+            opening.add_done_callback(_drop_opened(regions))  # nothing, named in /dev/shm for the shard's life
+            raise
         return pb.ShmRegions(
             push_path=pair.push.path,
             pull_path=pair.pull.path,
@@ -459,3 +464,11 @@ def add_parameter_server(servicer: ParameterServerServicer, server: grpc.aio.Ser
     name = full_service_name("ParameterServer")
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)  # looked up by gRPC's core, as the generated adders do
+
+
+def _drop_opened(regions: SharedRegions) -> Callable[[asyncio.Future[RegionPair]], None]:
+    def drop(opened: asyncio.Future[RegionPair]) -> None:
+        if not opened.cancelled() and opened.exception() is None:
+            regions.drop(opened.result())
+
+    return drop

@@ -128,6 +128,15 @@ class SharedRegions:
         if pair is not None:
             pair.close()
 
+    def drop(self, pair: RegionPair) -> None:
+        """Release ``pair`` if it is still its worker's current one (an open whose caller gave up before it was
+        made: a release by worker id could come first, or take a newer open's pair)."""
+        with self._lock:
+            if self._pairs.get(pair.worker_id) is not pair:
+                return
+            del self._pairs[pair.worker_id]
+        pair.close()
+
     def close(self) -> None:
         """Unlink every region (the server stops); later opens are refused."""
         with self._lock:

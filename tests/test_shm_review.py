@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -152,5 +153,34 @@ def test_regions_are_refused_for_a_worker_id_outside_the_job_and_nothing_is_made
         assert ours() == before
         stub.OpenSharedMemory(pb.ShmRequest(shard_id=0, worker_id=1), timeout=10)
         assert len(ours() - before) == 2
+    finally:
+        cluster.stop()
+
+
+def test_an_open_the_worker_gave_up_on_leaves_no_regions_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard went on making the pair after the worker's deadline; the worker streamed, and the pair stayed
+    named in /dev/shm for the shard's life (SIGKILL included). Now the shard drops it once it is made."""
+    from tests.helpers import wait_for
+    from tests.test_shm_path import ours, start_cluster
+
+    create = shm_region.create
+    made = []
+
+    def slow_create(numel: int, nonce: bytes) -> shm_region.Region:
+        time.sleep(0.6)
+        made.append(numel)
+        return create(numel, nonce)
+
+    cluster = start_cluster()
+    try:
+        before = ours()
+        monkeypatch.setattr(shm_region, "create", slow_create)
+        stub = pb_grpc.ParameterServerStub(open_channel(cluster.addresses[0]))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenSharedMemory(pb.ShmRequest(shard_id=0, worker_id=0), timeout=0.2)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: len(made) == 2, 10, "the shard to finish making the pair")
+        wait_for(lambda: ours() == before, 10, "the abandoned pair to be dropped")
+        assert not cluster.servicers[0].regions.paths
     finally:
         cluster.stop()
