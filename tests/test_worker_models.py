@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -294,7 +295,7 @@ def test_whole_layer_offload_fails_a_reused_reentrant_checkpoint_at_once() -> No
     thread.join(60)
     try:
         assert not thread.is_alive(), "the backward is waiting for its own turn"
-        assert len(outcome) == 1
+        assert len(outcome) == 1 and isinstance(outcome[0], ModelUnsupported)  # the job fails, exit 3
         assert re.search(r"'a\.(weight|bias)' got a gradient twice.*use_reentrant=False", str(outcome[0]))
     finally:
         replicas.close()
@@ -482,3 +483,24 @@ def test_attention_reads_its_out_proj_on_the_device_copy_under_whole_layer_offlo
     )
     assert len(read_at) == DEVICES * STEPS and host[0] not in read_at
     torch.testing.assert_close(trained, reference(Attention), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_refusal_on_one_device_is_the_error_the_step_raises() -> None:
+    """Devices fail together under whole-layer offload: one device's refusal aborts the gradient sum, and a device
+    before it then failed with a plain error that was raised instead (the worker exited 1, restarted in a loop)."""
+    replicas = ReplicaSet(seeded(Tied), [torch.device("cpu")] * DEVICES, ParamLayout.of(seeded(Tied)()))
+    finished: list[int] = []
+
+    def run(index: int, replica: object) -> None:
+        if index == 0:
+            raise RuntimeError("device 0 stops summing: device 1 failed")
+        time.sleep(0.1)  # the refusal comes after the consequence
+        finished.append(index)
+        raise ModelUnsupported("parameter 'a.weight' got a gradient twice in one backward")
+
+    try:
+        with pytest.raises(ModelUnsupported, match="gradient twice"):
+            replicas._each(run)
+        assert finished == [1]  # every device was out of the step before the error left it
+    finally:
+        replicas.close()

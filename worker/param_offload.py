@@ -367,7 +367,7 @@ class ParamOffload:
             target = layer.grads[i]
             if layer.positions[i] in self._summed:  # it would wait (10 min) for a turn it has already had
                 name = self._layout.names[layer.positions[i]]
-                raise RuntimeError(
+                raise ModelUnsupported(
                     f"parameter {name!r} got a gradient twice in one backward: a parameter used in several reentrant "
                     "backward passes (torch.utils.checkpoint with use_reentrant=True around a module that runs more "
                     "than once) cannot be offloaded; use use_reentrant=False"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -349,6 +349,10 @@ class ReplicaSet:
         if len(rows) == 1:
             return [run(*rows[0])]
         futures = [self._pool.submit(run, *row) for row in rows]
+        wait(futures)  # every device is out of the step before an error leaves it
+        errors = [error for f in futures if (error := f.exception()) is not None]
+        if errors:  # a model refusal wins: another device's error may be its consequence (a gradient sum aborted)
+            raise next((e for e in errors if isinstance(e, ModelUnsupported)), errors[0])
         return [f.result() for f in futures]
 
     def drop_losses(self) -> None:
