@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from pstrain.coordinator.errors import InvalidRequest
+from pstrain.coordinator.errors import ConfigError, InvalidRequest
 from pstrain.coordinator.journal import JournalUnusable
 from pstrain.protos.codec import wire_dtype
 from pstrain.runtime.atomic_io import atomic_write
@@ -135,6 +135,7 @@ class BufferStore:
         """
         if not self.needed:
             return
+        drop_partial_writes(directory)
         for step, worker_id in part_files(directory):
             path = part_path(directory, step, worker_id)
             if recovered_from is None or step <= recovered_from or not 0 <= worker_id < self.workers:
@@ -213,15 +214,44 @@ class BufferStore:
         except FileNotFoundError:
             log.warning("checkpoint %d has no buffers file (%s): the workers keep their initial buffers", step, path)
             return False
-        slots = {int(w): dict(b) for w, b in payload["slots"].items()}
-        if payload.get("step") != step or not set(slots) <= set(range(self.workers)):
-            raise InvalidRequest(f"{path} holds the buffers of another step or cluster shape")
-        for worker_id, buffers in slots.items():  # all checked before any is kept: a refused file changes nothing
-            self._check(worker_id, step, buffers)
+        except Exception as exc:  # noqa: BLE001 - truncated, not a torch file, unpicklable: a damaged checkpoint
+            raise _damaged(path, step, f"it cannot be read ({exc})") from exc
+        try:
+            slots = {int(w): dict(b) for w, b in payload["slots"].items()}
+            if payload.get("step") != step or not set(slots) <= set(range(self.workers)):
+                raise InvalidRequest(f"it holds the buffers of step {payload.get('step')} or of another cluster shape")
+            for worker_id, buffers in slots.items():  # all checked before any is kept: a refused file changes nothing
+                self._check(worker_id, step, buffers)
+        except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise _damaged(path, step, f"it does not fit this job's model: {exc}") from exc
         for worker_id, buffers in slots.items():
             self._keep(worker_id, step, buffers)
         log.info("loaded the workers' buffers of checkpoint %d", step)
         return True
+
+
+def _damaged(path: Path, step: int, why: str) -> ConfigError:
+    """The error for a committed checkpoint whose buffers file is unusable.
+
+    A ``ConfigError`` (the coordinator exits 2 with one line, and is not restarted into the same crash) that
+    says what to do: the resume point is chosen already, and resuming without the buffers would silently
+    give the model its initial BatchNorm statistics back."""
+    manifest = path.with_name(f"manifest-{step:09d}.json")  # checkpoints.manifest_path, which imports this module
+    return ConfigError(
+        f"checkpoint.dir: the buffers of checkpoint {step} in {path} are damaged: {why}; restore the file, move "
+        f"{manifest.name} aside to resume from the previous checkpoint, or start anew with --fresh"
+    )
+
+
+def drop_partial_writes(directory: Path) -> None:
+    """Remove the temp files of buffers files and uploads whose writer was killed (``atomic_write`` renames a
+    whole file into place, but a SIGKILL leaves its temp file behind, as large as every slot's buffers, and
+    nothing else removes it). Called as a coordinator starts, holding ``checkpoint.dir`` (``runtime.dir_lock``)."""
+    if not directory.is_dir():
+        return
+    for leftover in directory.glob(".buffers-*.tmp"):
+        leftover.unlink(missing_ok=True)
+        log.warning("removed %s, left by a coordinator killed while writing it", leftover)
 
 
 def prune_buffers(directory: Path, keep_steps: list[int]) -> None:

@@ -80,9 +80,23 @@ class ModelExport:
         tables = self.pull_tables(addresses, version) if self.pull_tables is not None else None
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            drop_partial_exports(self.out_dir)
             if tables is None:
                 self.model.save(self.out_dir / "model.pt", flat, buffers)
             else:  # issue 9: the sparse tables join the dense state (or go to out_dir/tables past a size)
                 state = self.model.state_dict(flat, buffers)
                 state.update(table_entries(self.model.model, self.table_specs, tables, self.out_dir))
                 atomic_write(self.out_dir / "model.pt", lambda fh: torch.save(state, fh))
+
+
+def drop_partial_exports(out_dir: Path) -> None:
+    """Remove what an export killed mid-write left: ``atomic_write``'s temp files of model.pt and the tables.
+
+    The rename keeps model.pt whole, but each killed export (a coordinator stopped, OOM-killed, restarted into
+    the export again) leaves its temp file behind, as large as the model, and nothing else ever removes it.
+    Only this coordinator writes them: it holds ``--out`` (``runtime.dir_lock``) for its life."""
+    for directory, pattern in ((out_dir, ".model.pt.*.tmp"), (out_dir / "tables", ".*.pt.*.tmp")):
+        if directory.is_dir():
+            for leftover in directory.glob(pattern):
+                leftover.unlink(missing_ok=True)
+                log.warning("removed %s, left by an export that was killed while writing it", leftover)

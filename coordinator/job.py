@@ -977,6 +977,9 @@ class Job:
             self.fail(f"export of the trained model failed: {exc}")
             return
         with self._cond:
+            if self.state.over:  # failed while the export ran (a member lost): the members were told so already
+                log.warning("the trained model was written, but the job had failed meanwhile: %s", self.message)
+                return
             self.state = JobState.FINISHED
             self.message = "finished"
             self._journal("job_over", state=self.state.name, message=self.message)

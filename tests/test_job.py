@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -12,6 +13,7 @@ from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.data_shards import DataShardTracker
 from pstrain.coordinator.errors import AlreadyRegistered, InvalidRequest, NoFreeSlot, UnknownMember, WrongState
 from pstrain.coordinator.job import Job, JobState
+from pstrain.coordinator.journal import read_journal
 from pstrain.coordinator.ledger import StepReport
 from pstrain.coordinator.membership import HolderAlive
 from pstrain.coordinator.model_state import ModelState
@@ -167,6 +169,35 @@ def test_export_failure_fails_the_job(tmp_path):
         job.report_step(report(0, step))
         job.report_step(report(1, step))
     assert job.wait_over(10) and job.state == JobState.FAILED and "export" in job.message
+
+
+def test_a_job_that_failed_while_its_export_ran_stays_failed(tmp_path):
+    """A job failed during EXPORTING (a member lost) was set FINISHED once the export completed: its members had
+    been told it failed, and the journal recorded two ends."""
+    job, _, _, final = make_job(tmp_path)
+    pulling, release = threading.Event(), threading.Event()
+
+    def slow_pull(addresses, version):
+        pulling.set()
+        assert release.wait(10)
+        return final
+
+    job.export._pull = slow_pull
+    start(job)
+    for step in range(3):
+        job.report_step(report(0, step))
+        job.report_step(report(1, step))
+    assert pulling.wait(10) and job.state == JobState.EXPORTING
+    exporting = [t for t in threading.enumerate() if t.name == "export"]
+    job.fail("PS shard 1 missed its heartbeats")
+    release.set()
+    for thread in exporting:
+        thread.join(10)
+    assert (tmp_path / "model.pt").exists() and not any(t.is_alive() for t in exporting)
+    job.close()
+    assert job.state == JobState.FAILED and job.message == "PS shard 1 missed its heartbeats"
+    ends = [e for e in read_journal(tmp_path / "journal.jsonl") if e["event"] == "job_over"]
+    assert [e["state"] for e in ends] == ["FAILED"]
 
 
 def test_watch_streams_records_then_the_final_state(tmp_path):
@@ -336,7 +367,6 @@ def test_job_states_are_the_wire_enum():
 # ------------------------------------------------------------------ the parts, each on its own
 
 import queue  # noqa: E402
-import threading  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 
 from pstrain.coordinator.errors import ProbeFailed  # noqa: E402
