@@ -39,6 +39,7 @@ from pstrain.launcher.local_cluster import (
     run_local,
     user_code_paths,
 )
+from pstrain.nn import load_sparse_tables, sparse_layers
 from pstrain.planner.bucket_plan import NETWORK_BYTES_S, CommModel, choose_bucket_bytes, layers_of, measure_update_rate
 from pstrain.planner.bucket_plan import describe as describe_buckets
 from pstrain.runtime.atomic_io import atomic_write
@@ -115,6 +116,8 @@ def evaluate(cfg: JobConfig, out_dir: Path) -> dict[str, float] | None:
     except FactoryError as exc:
         raise named("model", exc) from exc
     model.load_state_dict(torch.load(out_dir / "model.pt", map_location="cpu", weights_only=True))
+    if any(layer.weight.shape[0] == 0 for _, layer in sparse_layers(model)):  # tables past model.pt's limit
+        load_sparse_tables(model, out_dir / "tables")  # this run's: it wrote them with a model.pt without them
     model.eval()
     try:
         fn = import_callable(cfg.eval.factory)
