@@ -44,7 +44,9 @@ bucket after it are skipped (``skip``) or not pushed (``stop``). A NaN therefore
 shard. The buckets pushed before it were finite and are applied: with several buckets, a step
 whose gradient (but not its loss) turns non-finite is a partial update under ``skip``. That is
 the price of pushing during backward; ``transport.bucket_bytes: 0`` keeps the all-or-nothing step
-(one bucket is checked whole before anything is pushed).
+(one bucket is checked whole before anything is pushed). With bfloat16 pushes (``transport.push_dtype``) the host
+checks the values as they will be rounded: a float32 gradient beyond bfloat16's range is Inf on the shard
+(``finite_as_pushed``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,23 @@ from pstrain.runtime.numerics import all_finite
 from pstrain.runtime.ps_api import RETRYABLE, ParameterServerClient, PullHandle, PushHandle, ShardAck
 
 Repull = Callable[[Bucket, int], int]  # pull a bucket again (with retries) after its async pull failed
+
+# The smallest float32 magnitude that rounds (to nearest, ties to even) to a bfloat16 Inf: halfway between
+# bfloat16's largest value (about 3.3895e38) and Inf.
+BF16_ROUNDS_TO_INF = torch.tensor([0x7F7F8000], dtype=torch.int32).view(torch.float32).item()
+
+
+def finite_as_pushed(values: torch.Tensor, push_dtype: torch.dtype) -> bool:
+    """Whether ``values`` (float32) hold no NaN/Inf once rounded to ``push_dtype``, as the shard will see them.
+
+    A float32 gradient beyond bfloat16's range is finite here but Inf on the shard, which refuses the push
+    (InvalidRequest) where the worker should have skipped the step or reported it (``fault.on_nonfinite``). One
+    pass without a copy: NaN makes both bounds NaN, so both comparisons fail.
+    """
+    if push_dtype != torch.bfloat16 or values.numel() == 0:  # aminmax refuses an empty tensor
+        return all_finite(values)
+    low, high = torch.aminmax(values)
+    return bool(low > -BF16_ROUNDS_TO_INF) and bool(high < BF16_ROUNDS_TO_INF)
 
 
 @dataclass
@@ -123,9 +142,11 @@ class BucketPusher:
         staging: Sequence[torch.Tensor],
         skip_nonfinite: bool,
         place_on_device: bool = False,
+        push_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``place_on_device``: the one device is a GPU that copies each piece into its ``push_targets`` span, where
-        it has one, instead of into ``staging``."""
+        it has one, instead of into ``staging``. ``push_dtype``: what the client rounds a push to
+        (``transport.push_dtype``); the host's finiteness verdict is on those values, as the shard's is."""
         self.plan = plan
         self.devices = devices
         self.ps = ps
@@ -138,10 +159,11 @@ class BucketPusher:
         # forward, and the trainer waits for every push of a step (and its repeats) before that.
         self.grads = self.staging[0] if len(self.staging) == 1 else host_grads
         self.skip_nonfinite = skip_nonfinite
+        self.push_dtype = push_dtype
         self._place = place_on_device and devices == 1
         self._sizes = [len(b.params) for b in plan.buckets]
         self._lock = threading.Lock()
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-push")
+        self._sender: ThreadPoolExecutor | None = None  # made by the first bucket of a run, ended by ``close``
         self._sent: list[Future[None]] = []
         self._step: StepPushes | None = None
         self._left: list[list[int]] = []  # per device, per bucket: parameters still without a gradient
@@ -239,6 +261,8 @@ class BucketPusher:
     def _queue(self, bucket: int) -> None:
         """Called with the lock held."""
         self._queued.add(bucket)
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bucket-push")
         self._sent.append(self._sender.submit(self._send, self.plan.buckets[bucket]))
 
     def _send(self, bucket: Bucket) -> None:
@@ -289,10 +313,11 @@ class BucketPusher:
     def _host_finite(self, own: StagedBucket | None, bucket: Bucket, dest: torch.Tensor) -> bool:
         """The host's verdict; it needs the whole bucket in ``dest`` (the bucket's span of ``grads``), so placed
         pieces are gathered first (only when the device's sum was not finite: rarely), at their places in
-        ``grads``: pieces are placed by their offsets in the whole flat vector."""
+        ``grads``: pieces are placed by their offsets in the whole flat vector. With bfloat16 pushes it is on the
+        values as rounded (``finite_as_pushed``)."""
         if own is not None:
             own.gather(bucket, self.grads)
-        return all_finite(dest)
+        return finite_as_pushed(dest, self.push_dtype)
 
     def host_gradient(self, step: StepPushes, bucket: Bucket) -> torch.Tensor:
         """The host buffer with ``bucket``'s gradient of ``step`` whole (its placed pieces gathered): what a repeated
@@ -327,7 +352,14 @@ class BucketPusher:
             self._pull(step, bucket)
 
     def close(self) -> None:
-        self._sender.shutdown(wait=True, cancel_futures=True)
+        """End the sender thread (``Trainer.run`` does as it returns): a process that builds trainers one after
+        another must not keep one idle thread per trainer. It does not wait: a bucket being pushed finishes, one
+        still queued (a step that failed mid-backward) is dropped, so nothing leaves after ``run`` has returned
+        but that push. The next step makes a new sender."""
+        with self._lock:
+            sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.shutdown(wait=False, cancel_futures=True)
 
 
 class BucketLoader:
@@ -344,6 +376,7 @@ class BucketLoader:
         self._lock = threading.Lock()
         self._pulled: dict[int, threading.Lock] = {b.index: threading.Lock() for b in plan.buckets}
         self._done: set[int] = set()
+        self._failed: dict[int, BaseException] = {}  # bucket index -> why its pull (with its repeats) failed
         self.waited_s = [0.0] * replicas  # per replica, since ``arm``: the exposed pull
         # Per replica, since ``arm``: the buckets only ``ensure_all`` loaded (after forward). A parameter of one that
         # gets a gradient was read by forward before its new version was there (``ReplicaSet`` refuses that).
@@ -356,6 +389,7 @@ class BucketLoader:
             self._pulls = dict(pulls)
             self._repull = repull
             self._done = set()
+            self._failed = {}
             self._loaded = [[False] * len(self.plan.buckets) for _ in range(self._replicas)]
             self.waited_s = [0.0] * self._replicas
             self.late = [set() for _ in range(self._replicas)]
@@ -382,18 +416,31 @@ class BucketLoader:
         self.ensure(replica, [b.index for b in self.plan.forward_order], load)
 
     def _wait(self, index: int) -> None:
-        with self._pulled[index]:  # one device thread waits (and repeats a failed pull), the others after it
+        """One device thread waits (and repeats a failed pull), the others after it. A pull that failed for good
+        fails the other devices at once: each repeating the whole retry cycle in turn would only delay the error
+        by a backoff per device and call the shard that many times more."""
+        with self._pulled[index]:
             if index in self._done:
                 return
-            handle = self._pulls.get(index)
-            bucket = self.plan.buckets[index]
-            if handle is None:
-                raise RuntimeError(f"bucket {index} was never pulled for version {self._version}")
+            failed = self._failed.get(index)
+            if failed is not None:
+                raise failed
             try:
-                version = handle.wait()
-            except RETRYABLE:
-                assert self._repull is not None
-                version = self._repull(bucket, self._version)  # retries a retryable error, raises the rest
-            if version != self._version:
-                raise RuntimeError(f"bucket {index} came back at version {version}, expected {self._version}")
+                self._pull_once(index)
+            except BaseException as exc:
+                self._failed[index] = exc
+                raise
             self._done.add(index)
+
+    def _pull_once(self, index: int) -> None:
+        handle = self._pulls.get(index)
+        bucket = self.plan.buckets[index]
+        if handle is None:
+            raise RuntimeError(f"bucket {index} was never pulled for version {self._version}")
+        try:
+            version = handle.wait()
+        except RETRYABLE:
+            assert self._repull is not None
+            version = self._repull(bucket, self._version)  # retries a retryable error, raises the rest
+        if version != self._version:
+            raise RuntimeError(f"bucket {index} came back at version {version}, expected {self._version}")

@@ -16,6 +16,7 @@ each bucket of new parameters just before the first module that uses it runs.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pstrain.runtime.factories import LossFn
 from pstrain.runtime.layout import ParamLayout, refuse_frozen
 from pstrain.runtime.model_refusal import ModelUnsupported
 from pstrain.worker.offload import SwapToHost, apply_layer_policies
-from pstrain.worker.overlap import BucketLoader, BucketPusher, StagedBucket
+from pstrain.worker.overlap import BF16_ROUNDS_TO_INF, BucketLoader, BucketPusher, StagedBucket
 from pstrain.worker.param_offload import HostGradSum, ParamOffload, children_read_by, offload_layers
 
 T = TypeVar("T")
@@ -56,6 +57,7 @@ class Replica:
     param_offload: ParamOffload | None = None  # whole-layer offload: host buffers shared by the host's replicas
     copy_stream: torch.cuda.Stream | None = None  # the per-bucket gradient copies (``stage_bucket``), made lazily
     finite_flags: dict[int, torch.Tensor] | None = None  # per bucket: pinned bool[1] (stage_bucket); None: not made
+    finite_below: float = math.inf  # the magnitude from which a pushed value is Inf on the shard (bfloat16: less)
 
     @classmethod
     def build(
@@ -150,8 +152,9 @@ class Replica:
         reads that span for the previous step only until it publishes that step's version of the piece, which
         this step's forward waited for before the bucket's backward could begin (``BucketLoader``), so nothing
         reads a span while this copy writes it. With ``finite_flags`` (one device, whose copy is the host sum)
-        the side stream also sums the bucket and copies whether that sum is finite into a pinned flag, read by
-        the sender after the event.
+        the side stream also checks every value of the bucket is below ``finite_below`` (a sum could overflow,
+        and under bfloat16 pushes a float32 value past bfloat16's range is Inf on the shard) and copies the
+        verdict into a pinned flag, read by the sender after the event.
         """
         if targets and len(targets) != len(bucket.pieces):
             raise ValueError(f"{len(targets)} push targets for a bucket of {len(bucket.pieces)} pieces")
@@ -173,8 +176,9 @@ class Replica:
                     into.copy_(self.flat_grads[piece.start : piece.end], non_blocking=True)
             else:
                 self.staging[bucket.start : bucket.end].copy_(grads, non_blocking=True)
-            if flag is not None:
-                flag.copy_(torch.isfinite(grads.sum()).reshape(1), non_blocking=True)
+            if flag is not None:  # every value below the limit, as the shard will see them (NaN fails both)
+                low, high = torch.aminmax(grads) if grads.numel() else (grads.new_zeros(()), grads.new_zeros(()))
+                flag.copy_(((low > -self.finite_below) & (high < self.finite_below)).reshape(1), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return StagedBucket(event, flag, tuple(targets))
@@ -265,6 +269,8 @@ class ReplicaSet:
         self._hooks = []
         self._pusher, self._loader = pusher, loader
         pusher.names = self.layout.names
+        if self.replicas[0].finite_flags is not None:  # the device's own check: on the values as they are pushed
+            self.replicas[0].finite_below = BF16_ROUNDS_TO_INF if pusher.push_dtype == torch.bfloat16 else math.inf
         for index, r in enumerate(self.replicas):
             params = list(r.model.parameters())  # layout order (named_parameters, shared ones once)
             position = {id(p): i for i, p in enumerate(params)}

@@ -130,6 +130,7 @@ class Trainer:
             replicas.staging,
             self.skip_nonfinite,
             place_on_device=replicas.places_on_device,
+            push_dtype=torch.bfloat16 if job.push_dtype == pb.BFLOAT16 else torch.float32,
         )
         self.loader = BucketLoader(self.plan, len(replicas), replicas.host_params)
         replicas.attach(self.plan, self.pusher, self.loader)
@@ -158,6 +159,7 @@ class Trainer:
         finally:
             self._reporting.shutdown(wait=False)  # the last report was waited for above; its thread ends now
             self._reporting = None
+            self.pusher.close()  # the bucket sender's thread ends too (a later run makes a new one)
         return self._ran
 
     def _train(self) -> None:
