@@ -382,6 +382,28 @@ class ReplicaSet:
                 r.flat_params.copy_(source, non_blocking=True)
         self._synchronize()
 
+    def keep_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]] | None:
+        """Every replica's buffers as they are, copied where they live (None: the model has none): what
+        ``restore_buffers`` puts back when a step is skipped (``fault.on_nonfinite: skip``), so that a skipped
+        step moves no running statistics, as it moves no parameters."""
+        kept = [
+            (module, name, buffer.clone())
+            for r in self.replicas
+            for module in r.model.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        return kept or None
+
+    def restore_buffers(self, kept: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for module, name, value in kept:
+                buffer = module._buffers[name]
+                if buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
+                    buffer.copy_(value)
+                else:  # the forward assigned another tensor: the kept one goes back in its place
+                    module._buffers[name] = value
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """The first replica's buffers (e.g. BatchNorm statistics), for the exported model."""
         return {name: b.detach().cpu() for name, b in self.replicas[0].model.named_buffers()}

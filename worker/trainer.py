@@ -213,6 +213,7 @@ class Trainer:
             self.feed.prefetch(self.job.per_device_batch * devices)
         if self.sparse is not None:  # issue 9: pull this host batch's embedding rows, bind them per device
             self.sparse.prepare(step, list(inputs.chunk(devices)), self._retrying)
+        kept = self.replicas.keep_buffers() if self.skip_nonfinite else None  # a skipped step moves no statistics
         losses = self.replicas.forward(list(inputs.chunk(devices)), list(targets.chunk(devices)), self.loss_fn)
         pull_s = max(self.loader.waited_s)  # forward's waits for this step's buckets: the exposed pull
         self._loaded()  # forward loaded every bucket of this step's version: the previous step is done
@@ -236,6 +237,8 @@ class Trainer:
                 return previous
             if not self.skip_nonfinite:
                 return self._stop_nonfinite(step, losses, int(inputs.shape[0]), time.perf_counter() - started)
+            if kept is not None:  # the forward of a NaN batch moved BatchNorm's running statistics to NaN for good
+                self.replicas.restore_buffers(kept)
             computed = time.perf_counter()
             pushes = self.pusher.skip_all(step, devices)
         finite = pushes.finite and (self.sparse is None or self.sparse.finite())  # issue 9: rows too
