@@ -203,3 +203,19 @@ def test_turning_prefetch_off_keeps_the_job_s_identity_and_its_checkpoints() -> 
         step=4, job_hash=on.digest, ps_shards=3, total_params=74, workers=2, per_worker_batch=8, committed_unix_s=0.0
     )
     off.check(written, Path("ckpt"))  # raises CheckpointMismatch for another job file
+
+
+def test_a_read_that_hangs_does_not_hold_the_worker_s_exit() -> None:
+    """The read runs in a daemon thread: a pool's threads are joined at exit, so a read hanging on a network file
+    system would have held a stopping worker past its unit's stop timeout."""
+    dataset = Watched(blocked=frozenset({4}))
+    feed = DataFeed(dataset, Shards(), prefetch_batches=True)
+    try:
+        feed.next_batch(4)
+        feed.prefetch(4)
+        assert dataset.reading.wait(10)
+        readers = [t for t in threading.enumerate() if t.name == "data-prefetch" and t.is_alive()]
+        assert readers and all(t.daemon for t in readers)
+        feed.close()  # returns at once, the read still blocked
+    finally:
+        dataset.release.set()

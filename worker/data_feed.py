@@ -13,8 +13,9 @@ The dataset is never read by two threads at once: the trainer waits for the back
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,7 +45,6 @@ class DataFeed:
     _left: dict[int, int] = field(default_factory=dict)  # data shard id -> samples not consumed yet
     _exhausted: list[int] = field(default_factory=list)
     _ahead: tuple[list[int], Future[Batch]] | None = None  # the indices read in the background, and their batch
-    _reader: ThreadPoolExecutor | None = None
 
     def _fill(self, count: int) -> None:
         """Request data shards until at least ``count`` samples are queued."""
@@ -90,15 +90,25 @@ class DataFeed:
             return
         self._fill(count)
         indices = [index for index, _ in list(self._queue)[:count]]
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="data-prefetch")
-        self._ahead = (indices, self._reader.submit(self._collate, indices))
+        read: Future[Batch] = Future()
+
+        def run() -> None:
+            if read.set_running_or_notify_cancel():
+                try:
+                    read.set_result(self._collate(indices))
+                except BaseException as exc:  # noqa: BLE001 - raised by the step that takes this batch
+                    read.set_exception(exc)
+
+        # A daemon thread per read, not a pool's: a pool's threads are joined at exit, so a read that hangs (a
+        # network file system) would hold a stopping worker past its unit's stop timeout.
+        threading.Thread(target=run, name="data-prefetch", daemon=True).start()
+        self._ahead = (indices, read)
 
     def close(self) -> None:
-        """Stop the background reader (a read in progress finishes; nothing waits for it)."""
+        """Forget the read in flight (it ends on its own; nothing waits for it)."""
+        if self._ahead is not None:
+            self._ahead[1].cancel()  # not started yet: never will be
         self._ahead = None
-        if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def _collate(self, indices: list[int]) -> Batch:
         """One batch, fetched as torch's ``DataLoader`` fetches it: a dataset with ``__getitems__`` (``Subset``, a
