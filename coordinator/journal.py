@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pstrain.runtime.atomic_io import atomic_write
+from pstrain.runtime.atomic_io import atomic_write, fsync_dir
 
 JOURNAL_NAME = "journal.jsonl"
 
@@ -81,7 +81,7 @@ class Journal:
         created = not self.path.exists()
         handle = open(self.path, mode, buffering=0)  # noqa: SIM115 - closed in close()
         if created and self._fsync:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         return handle
 
     def append(self, event: str, durable: bool = True, **fields: Any) -> None:
@@ -155,14 +155,6 @@ def _truncate_quietly(fd: int, size: int) -> None:
     """Best effort: if even this fails, the next start cuts a torn last line, and a replay refuses a damaged one."""
     with contextlib.suppress(OSError):
         os.ftruncate(fd, size)
-
-
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _drop_torn_tail(path: Path) -> None:

@@ -29,10 +29,11 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
         Path(tmp).unlink(missing_ok=True)
         raise
     for directory in (target.parent, *(d.parent for d in created)):
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make ``directory``'s entries durable: a file created or renamed in it survives a power loss."""
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

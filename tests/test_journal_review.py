@@ -29,8 +29,9 @@ from pstrain.coordinator.checkpoints import (
 from pstrain.coordinator.config import parse_config
 from pstrain.coordinator.journal import Journal, JournalUnusable, read_journal, recovery
 from pstrain.coordinator.ledger import StepReport
-from pstrain.coordinator.main import build_job, job_keys
+from pstrain.coordinator.main import build_job
 from tests.helpers import REPO_ROOT, write_job
+from tests.test_metrics_status import started
 
 MEMBERS = [{"role": "ps", "id": 0, "address": "127.0.0.1:5000"}]
 
@@ -202,12 +203,7 @@ def test_a_restarted_coordinator_takes_the_journal_back_only_for_the_job_file_th
     raw = yaml.safe_load(path.read_text())
     cfg = parse_config(raw)
     out = tmp_path / "out"
-    job = build_job(cfg, out)
-    job_keys(out, False)  # as the coordinator's main keeps it: a job without its key is not taken back
-    job.register_ps(0, "127.0.0.1:5000")
-    job.ps_ready(0)
-    for i in range(2):
-        job.register_worker(f"127.0.0.1:{6000 + i}", [], f"h{i}")
+    job = started(cfg, out)
     for worker in range(2):
         job.report_step(StepReport(worker_id=worker, step=0, loss=1.0, samples=job.plan.per_device_batch, step_s=0.1))
     job.close()
