@@ -307,3 +307,27 @@ def test_a_stop_mid_backward_leaves_no_bucket_sender_thread(jobs: object) -> Non
     assert not thread.is_alive(), "run() hung after the stop"
     assert outcome == {"ran": 0} and trainer.progress.state == "stopped"
     assert_ended(bucket_senders() - before)
+
+
+def test_a_closed_replica_set_and_its_trainer_can_be_collected() -> None:
+    """The S4 hooks (``ReplicaSet.attach``) held the set, its models and the trainer alive after ``close``: a
+    process that builds trainers one after another (the probe's rounds, a test suite) kept every one."""
+    import gc
+    import weakref
+
+    from torch.nn import functional as F
+
+    from tests import test_trainer as plain
+
+    job = pb.JobSpec(steps=plain.STEPS, per_device_batch=plain.PER_DEVICE, total_params=plain.LAYOUT.total)
+    replicas = ReplicaSet(plain.seeded_model, [torch.device("cpu")] * 2, plain.LAYOUT)
+    ps = LocalPsClient(plain.build_shards(1))
+    feed = DataFeed(plain.DATA, ListSource(0, plain.worker_samples(0)))
+    trainer = Trainer(0, job, replicas, ps, feed, F.cross_entropy, Reporter(), threading.Event(), plain.NO_WAIT)
+    assert trainer.run() == plain.STEPS
+    ps.close(cancel=True)
+    replicas.close()
+    gone = (weakref.ref(replicas), weakref.ref(trainer))
+    del trainer, replicas, ps, feed
+    gc.collect()
+    assert [ref() is None for ref in gone] == [True, True]

@@ -428,7 +428,11 @@ class ReplicaSet:
         self._synchronize()
 
     def close(self) -> None:
+        """End the device threads and remove the S4 hooks, which hold this set (and its trainer) alive otherwise."""
         self._pool.shutdown(wait=True)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _synchronize(self) -> None:
         for d in {d for d in self.devices if d.type == "cuda"}:
