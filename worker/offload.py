@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -444,13 +444,27 @@ class _BufferGuard:
 
     @contextmanager
     def recompute(self) -> Iterator[None]:
-        kept = [
-            (m, name, b, b.clone()) for m in self._module.modules() for name, b in m._buffers.items() if b is not None
-        ]
+        kept = KeptBuffers.of(self._module.modules())
         try:
             yield
         finally:
-            with torch.no_grad():
-                for m, name, b, value in kept:
-                    m._buffers[name] = b  # a forward that assigns a new tensor gets the old one back too
-                    b.copy_(value)
+            kept.restore()
+
+
+@dataclass(frozen=True)
+class KeptBuffers:
+    """Every buffer of some modules and a copy of its value, taken before a forward that must not move them (a
+    recompute, a step that is skipped). ``restore`` puts each tensor back in its place (a forward that assigned
+    a new tensor gets the old one back too) with its old value."""
+
+    entries: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, modules: Iterable[nn.Module]) -> KeptBuffers:
+        return cls([(m, name, b, b.clone()) for m in modules for name, b in m._buffers.items() if b is not None])
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, buffer, value in self.entries:
+                module._buffers[name] = buffer
+                buffer.copy_(value)

@@ -28,7 +28,7 @@ from pstrain.runtime.buckets import Bucket, BucketPlan
 from pstrain.runtime.factories import LossFn
 from pstrain.runtime.layout import ParamLayout, refuse_frozen
 from pstrain.runtime.model_refusal import ModelUnsupported
-from pstrain.worker.offload import SwapToHost, apply_layer_policies
+from pstrain.worker.offload import KeptBuffers, SwapToHost, apply_layer_policies
 from pstrain.worker.overlap import BF16_ROUNDS_TO_INF, BucketLoader, BucketPusher, StagedBucket
 from pstrain.worker.param_offload import HostGradSum, ParamOffload, children_read_by, offload_layers
 
@@ -382,27 +382,12 @@ class ReplicaSet:
                 r.flat_params.copy_(source, non_blocking=True)
         self._synchronize()
 
-    def keep_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor]] | None:
-        """Every replica's buffers as they are, copied where they live (None: the model has none): what
-        ``restore_buffers`` puts back when a step is skipped (``fault.on_nonfinite: skip``), so that a skipped
-        step moves no running statistics, as it moves no parameters."""
-        kept = [
-            (module, name, buffer.clone())
-            for r in self.replicas
-            for module in r.model.modules()
-            for name, buffer in module._buffers.items()
-            if buffer is not None
-        ]
-        return kept or None
-
-    def restore_buffers(self, kept: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for module, name, value in kept:
-                buffer = module._buffers[name]
-                if buffer is not None and buffer.shape == value.shape and buffer.dtype == value.dtype:
-                    buffer.copy_(value)
-                else:  # the forward assigned another tensor: the kept one goes back in its place
-                    module._buffers[name] = value
+    def keep_buffers(self) -> KeptBuffers | None:
+        """Every replica's buffers as they are (None: the model has none): what ``KeptBuffers.restore`` puts back
+        when a step is skipped (``fault.on_nonfinite: skip``), so that a skipped step moves no running statistics,
+        as it moves no parameters."""
+        kept = KeptBuffers.of(module for r in self.replicas for module in r.model.modules())
+        return kept if kept.entries else None
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The first replica's buffers (e.g. BatchNorm statistics), for the exported model."""

@@ -238,7 +238,7 @@ class Trainer:
             if not self.skip_nonfinite:
                 return self._stop_nonfinite(step, losses, int(inputs.shape[0]), time.perf_counter() - started)
             if kept is not None:  # the forward of a NaN batch moved BatchNorm's running statistics to NaN for good
-                self.replicas.restore_buffers(kept)
+                kept.restore()
             computed = time.perf_counter()
             pushes = self.pusher.skip_all(step, devices)
         finite = pushes.finite and (self.sparse is None or self.sparse.finite())  # issue 9: rows too
